@@ -1,0 +1,159 @@
+"""Build tiny Hugging Face model directories (tokenizer + config + random weights)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Architecture = Literal["qwen3", "llama", "qwen3_moe"]
+ARCHITECTURES: tuple[Architecture, ...] = ("qwen3", "llama", "qwen3_moe")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, the format Qwen models use; rendered by `apply_chat_template`.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven bright stars shine on "
+    "calm water and every small model learns to reverse text add numbers answer "
+    "questions think step by step system user assistant hello world please what "
+    "is reward policy token train sample batch loss value"
+).split()
+
+
+def _corpus(seed: int = 0, n_lines: int = 2000) -> list[str]:
+    """A synthetic corpus covering words, reversed words, digits and punctuation."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = rng.choices(_WORDS, k=rng.randint(3, 10))
+        text = " ".join(words)
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        lines.append(f"{text.capitalize()}. {text[::-1]}! {a} + {b} = {a + b}? (x, y): #### {a * b}")
+    return lines
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    return tokenizer.to_str()
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE `tokenizers.Tokenizer` trained in-process (cached per size)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+
+
+def write_tokenizer(path: str | Path, vocab_size: int = 512) -> int:
+    """Write `tokenizer.json` and `tokenizer_config.json` (with a chat template); return the vocab size."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 2048,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tokenizer.get_vocab_size()
+
+
+def tiny_config(arch: Architecture = "qwen3", vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
+    """A `config.json` dict for a 2-layer, hidden-64 model with GQA (4 query heads, 2 KV heads)."""
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"),
+        "pad_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen3":
+        config = {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "tie_word_embeddings": True}
+    elif arch == "llama":
+        config = {
+            **common,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "tie_word_embeddings": False,
+            "mlp_bias": False,
+        }
+    elif arch == "qwen3_moe":
+        config = {
+            **common,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "tie_word_embeddings": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": False,
+        }
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+    config.update(overrides)
+    return config
+
+
+def write_tiny_model(
+    path: str | Path,
+    arch: Architecture = "qwen3",
+    seed: int = 0,
+    vocab_size: int = 512,
+    **config_overrides: Any,
+) -> Path:
+    """Write a complete HF model directory (tokenizer, config, random safetensors weights) and return it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    actual_vocab = write_tokenizer(path, vocab_size)
+    config_dict = tiny_config(arch, vocab_size=actual_vocab, **config_overrides)
+    config = AutoConfig.for_model(**config_dict)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
