@@ -1,0 +1,141 @@
+"""The `tandem` command: one entry point, one config mechanism, a subcommand per process."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from tandem import __version__
+from tandem.config import ConfigError, load_config, to_toml
+from tandem.config.help import render_help
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    summary: str
+    config: str
+    """`module:Class` of the command's root config."""
+    runner: str | None = None
+    """`module:function` taking the resolved config and returning an exit code; None while not built."""
+    issue: int | None = None
+    """The issue that builds it, named in the 'not built yet' message."""
+
+    def config_class(self) -> type[BaseModel]:
+        return _resolve(self.config)
+
+    def runner_function(self) -> Callable[[BaseModel], int | None]:
+        assert self.runner is not None
+        return _resolve(self.runner)
+
+
+def _resolve(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+COMMANDS = {
+    command.name: command
+    for command in [
+        Command(
+            "rl",
+            "Run inference, orchestrator and trainer together: asynchronous RL on one machine.",
+            "tandem.config.rl:RlConfig",
+            issue=7,
+        ),
+        Command("sft", "Supervised fine-tuning on FSDP2.", "tandem.config.sft:SftConfig", issue=4),
+        Command(
+            "eval",
+            "Evaluate environments against an OpenAI-compatible server.",
+            "tandem.config.eval:EvalConfig",
+            issue=6,
+        ),
+        Command(
+            "inference",
+            "Serve a model over the OpenAI HTTP API plus token-in generation and admin routes.",
+            "tandem.config.inference:InferenceConfig",
+            issue=5,
+        ),
+        Command(
+            "orchestrator",
+            "Schedule rollouts, score them, and write training batches.",
+            "tandem.config.orchestrator:OrchestratorConfig",
+            issue=7,
+        ),
+        Command(
+            "trainer",
+            "The RL trainer process (run it under torchrun for several devices).",
+            "tandem.config.trainer:TrainerConfig",
+            issue=7,
+        ),
+        Command(
+            "dashboard", "A local web page over every run and eval.", "tandem.config.dashboard:DashboardConfig", issue=8
+        ),
+    ]
+}
+
+
+def overview() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [
+        f"tandem {__version__}: post-train language models with asynchronous RL, SFT and evals.",
+        "",
+        "usage: tandem <command> [@ FILE.toml ...] [--KEY VALUE ...] [--dry-run] [--help]",
+        "",
+        "commands:",
+        *(f"  {name.ljust(width)}  {command.summary}" for name, command in COMMANDS.items()),
+        "",
+        "`tandem <command> --help` lists every config field of that command.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_command(command: Command, argv: list[str]) -> int:
+    config_class = command.config_class()
+    config, command_line = load_config(config_class, argv)
+    if command_line.help:
+        sys.stdout.write(render_help(command.name, command.summary, config_class))
+        return 0
+    if command_line.dry_run:
+        sys.stdout.write(to_toml(config))
+        return 0
+    if command.runner is None:
+        sys.stderr.write(
+            f"tandem {command.name}: not built yet (tracked in issue {command.issue}); "
+            "`--dry-run` shows the config it will take.\n"
+        )
+        return 1
+    return int(command.runner_function()(config) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(overview())
+        return 0
+    if argv[0] in ("--version", "-V"):
+        sys.stdout.write(f"tandem {__version__}\n")
+        return 0
+    name, rest = argv[0], argv[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        from tandem.config.schema import suggest
+
+        sys.stderr.write(f"tandem: unknown command {name!r}{suggest(name, COMMANDS)}; see `tandem --help`\n")
+        return 2
+    try:
+        return run_command(command, rest)
+    except ConfigError as error:
+        sys.stderr.write(f"tandem {name}: error: {error}\n")
+        return error.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"tandem {name}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Sections every command shares, and the root config that flows shared values into process sections."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tandem.config.base import Section
+from tandem.config.loader import deep_merge
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class ModelConfig(Section):
+    name: str = ""
+    """Hugging Face model directory (config.json + safetensors + tokenizer files) or hub id."""
+    dtype: Dtype = "bfloat16"
+    """Parameter dtype the model runs in."""
+
+
+class LogConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Console and log-file verbosity."""
+
+
+class RunConfig(Section):
+    """The root of every command's config.
+
+    `shared_fields` are set once at the top level and flow into every process
+    section that declares the same field, unless that section sets it itself
+    (tables are merged key by key, section keys winning).
+    """
+
+    command: ClassVar[str] = "run"
+    shared_fields: ClassVar[tuple[str, ...]] = ("model", "seq_len", "output_dir", "run_name", "log")
+
+    model: ModelConfig = ModelConfig()
+    """The model to train, serve or evaluate."""
+    seq_len: int = Field(2048, gt=0)
+    """Maximum tokens per sequence (prompt plus completion)."""
+    output_dir: Path = Path("outputs")
+    """Directory that holds one folder per run."""
+    run_name: str = ""
+    """Folder name of this run under output_dir (default: `<command>-<date>-<time>`)."""
+    log: LogConfig = LogConfig()
+    """Logging."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flow_shared_values(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if not data.get("run_name"):
+            data["run_name"] = f"{cls.command}-{datetime.now():%Y%m%d-%H%M%S}"
+        for name, info in cls.model_fields.items():
+            target = info.annotation
+            if not (isinstance(target, type) and issubclass(target, RunConfig)):
+                continue
+            section = data.get(name)
+            section = dict(section) if isinstance(section, dict) else {}
+            for key in cls.shared_fields:
+                if key not in data or key not in target.model_fields:
+                    continue
+                value = data[key]
+                if isinstance(value, Section):
+                    value = value.model_dump()
+                own = section.get(key)
+                if isinstance(value, dict) and isinstance(own, dict):
+                    section[key] = deep_merge(value, own)
+                elif own is None:
+                    section[key] = value
+            data[name] = section
+        return data
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_path_component(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+            raise ValueError("must be a single folder name of letters, digits, '.', '_' and '-'")
+        return value
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run_name
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+
+
+class SchedulerConfig(Section):
+    type: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate shape after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to the peak learning rate."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate of linear/cosine decay, as a fraction of the peak."""

@@ -1,0 +1,57 @@
+"""The run directory and logging every command sets up before it works."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+from tandem.config import RunConfig, to_toml
+
+logger = logging.getLogger("tandem")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file in the same folder, then rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def setup_logging(level: str, log_file: Path | None = None) -> None:
+    """Rich console output on stderr plus, when given, a plain-text log file."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    console = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False, markup=False)
+    console.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
+    root.addHandler(console)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file, encoding="utf-8")
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(file_handler)
+    root.setLevel(level.upper())
+
+
+def prepare_run_dir(config: RunConfig, process: str | None = None) -> Path:
+    """Create `<output_dir>/<run_name>/`, write the resolved config there and start logging to `logs/`."""
+    run_dir = config.run_dir
+    process = process or config.command
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / f"{process}.toml", to_toml(config))
+    setup_logging(config.log.level, run_dir / "logs" / f"{process}.log")
+    logger.info("run directory: %s", run_dir)
+    return run_dir
