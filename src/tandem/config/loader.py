@@ -108,20 +108,19 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 
 def add_file(layers: Layers, model: type[BaseModel], file: str, section: list[str] | None = None) -> None:
     """Merge a TOML file at the root, or under `section` for `--section @ file.toml`."""
+    target, prefix = model, tuple(section or ())
+    if prefix:
+        flag = f"--{'.'.join(map(kebab, prefix))} @ {file}"
+        try:
+            _, kind = lookup(model, list(prefix))
+        except UnknownKey as error:
+            raise ConfigError(f"{error.describe()} (flag {flag})") from None
+        if kind.model is None:
+            raise ConfigError(f"`{flag}`: that key is not a section")
+        target = kind.model
     data, lines = read_toml(file)
-    source = _Source(file, layers.origin, lines)
-    if not section:
-        layers.data = deep_merge(layers.data, _checked(model, data, source))
-        return
-    flag = f"--{'.'.join(map(kebab, section))} @ {file}"
-    try:
-        _, kind = lookup(model, section)
-    except UnknownKey as error:
-        raise ConfigError(f"{error.describe()} (flag {flag})") from None
-    if kind.model is None:
-        raise ConfigError(f"`{flag}`: that key is not a section")
-    checked = _checked(kind.model, data, source, (), tuple(section))
-    layers.data = deep_merge(layers.data, _nest(section, checked))
+    checked = _checked(target, data, _Source(file, layers.origin, lines), (), prefix)
+    layers.data = deep_merge(layers.data, _nest(list(prefix), checked))
 
 
 def _flag_value(kind: FieldKind, flag: str, values: list[str]) -> Any:

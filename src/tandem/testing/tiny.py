@@ -156,4 +156,7 @@ def write_tiny_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
+    # Keep config.json in the hub's spelling (`num_experts`, `rope_theta`, `torch_dtype`), which real
+    # checkpoints use, rather than the newer keys `save_pretrained` writes.
+    (path / "config.json").write_text(json.dumps(config_dict, indent=2))
     return path

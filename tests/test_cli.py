@@ -1,0 +1,111 @@
+"""The `tandem` command line: help, version, dry-run, exit codes, the run directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tandem import __version__
+from tandem.cli import COMMANDS, main
+from tandem.config import load_file
+from tandem.config.schema import field_kind, kebab
+from tandem.config.sft import SftConfig
+
+
+def tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=120)
+
+
+def leaf_flags(model, prefix=""):
+    """Every settable leaf key of a config model, as `--dotted.kebab` flags."""
+    for name, info in model.model_fields.items():
+        kind = field_kind(info.annotation)
+        if kind.model is not None:
+            yield from leaf_flags(kind.model, f"{prefix}{kebab(name)}.")
+        elif kind.list_of_model is None:
+            yield f"--{prefix}{kebab(name)}", info
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tandem {__version__}"
+
+
+def test_overview_lists_every_command(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for name in ("rl", "sft", "eval", "inference", "orchestrator", "trainer", "dashboard"):
+        assert f"  {name} " in out
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_lists_every_field_with_type_default_and_description(capsys, name):
+    assert main([name, "--help"]) == 0
+    out = capsys.readouterr().out
+    config_class = COMMANDS[name].config_class()
+    lines = out.splitlines()
+    for flag, info in leaf_flags(config_class):
+        matches = [i for i, line in enumerate(lines) if line.split() and line.split()[0] == flag]
+        assert matches, f"{flag} missing from `tandem {name} --help`"
+        row = lines[matches[0]]
+        assert "(default:" in row, row
+        assert info.description, f"{flag} has no description"
+        assert info.description in lines[matches[0] + 1]
+
+
+def test_help_groups_fields_by_section(capsys):
+    main(["rl", "--help"])
+    out = capsys.readouterr().out
+    for header in ("[general]", "[trainer]", "[trainer.optim]", "[orchestrator]", "[inference]"):
+        assert header in out
+
+
+def test_sft_dry_run_prints_merged_config(tmp_path):
+    config_file = tmp_path / "some.toml"
+    config_file.write_text(textwrap.dedent("""
+        seq_len = 1024
+        [optim]
+        lr = 1e-4
+        weight_decay = 0.1
+    """))
+    result = tandem("sft", "--dry-run", "@", str(config_file), "--optim.lr", "3e-6")
+    assert result.returncode == 0, result.stderr
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(result.stdout)
+    config = load_file(SftConfig, resolved)
+    assert config.optim.lr == 3e-6 and config.optim.weight_decay == 0.1 and config.seq_len == 1024
+
+
+def test_user_errors_exit_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim]\nlrr = 1\n")
+    for args in (("sft", "@", str(bad)), ("sft", "--optim.lr", "x"), ("sft", "@", "missing.toml"), ("sfd",)):
+        result = tandem(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+        assert "error" in result.stderr or "unknown command" in result.stderr
+
+
+def test_unbuilt_command_says_so_and_fails():
+    result = tandem("dashboard")
+    assert result.returncode == 1
+    assert "not built yet" in result.stderr
+
+
+def test_prepare_run_dir_writes_config_and_log(tmp_path):
+    import logging
+
+    from tandem.run import prepare_run_dir
+
+    config = SftConfig(output_dir=tmp_path, run_name="exp")
+    run_dir = prepare_run_dir(config)
+    logging.getLogger("tandem.test").info("hello from the test")
+    assert run_dir == tmp_path / "exp"
+    assert load_file(SftConfig, run_dir / "sft.toml") == config
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    assert "hello from the test" in (run_dir / "logs" / "sft.log").read_text()
+    assert not list(run_dir.glob(".*.tmp"))
