@@ -188,3 +188,10 @@ def test_default_run_name_is_shared_and_valid():
     assert config.trainer.run_name == config.inference.run_name == config.run_name
     with pytest.raises(ConfigError, match="run-name"):
         load_config(RlConfig, ["--run-name", "../escape"])
+
+
+def test_bare_section_flag_turns_on_its_enabled_switch():
+    assert load_config(SftConfig, ["--resume"])[0].resume.enabled is True
+    config, _ = load_config(SftConfig, ["--resume.step", "3"])
+    assert config.resume.enabled is True and config.resume.step == 3
+    assert load_config(SftConfig, ["--resume", "--no-resume"])[0].resume.enabled is False

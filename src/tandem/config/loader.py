@@ -127,6 +127,8 @@ def _flag_value(kind: FieldKind, flag: str, values: list[str]) -> Any:
     if not values:
         if kind.is_bool:
             return True
+        if kind.model is not None and "enabled" in kind.model.model_fields:
+            return {"enabled": True}
         raise ConfigError(f"flag {flag} needs a value ({annotation_name(kind.annotation)})")
     if kind.is_list:
         if len(values) == 1 and values[0].lstrip().startswith("["):
@@ -165,10 +167,12 @@ def add_flag(layers: Layers, model: type[BaseModel], flag: str, values: list[str
             break
         else:
             raise ConfigError(f"{error.describe()} (flag {flag})") from None
-    if negated:
+    if negated and kind.model is not None and "enabled" in kind.model.model_fields and not values:
+        value: Any = {"enabled": False}
+    elif negated:
         if not kind.is_bool or values:
             raise ConfigError(f"flag {flag}: `--no-` only applies to boolean keys, with no value")
-        value: Any = False
+        value = False
     else:
         value = _flag_value(kind, flag, values)
     if kind.model is not None and isinstance(value, dict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import OptimConfig, RunConfig, SchedulerConfig
@@ -13,12 +13,48 @@ from tandem.config.common import OptimConfig, RunConfig, SchedulerConfig
 class SftDataConfig(Section):
     path: str = ""
     """Local JSONL file (`prompt`/`completion` or chat `messages` rows) or a Hugging Face dataset name."""
+    split: str = "train"
+    """Split to read when `path` is a Hugging Face dataset."""
     fake: bool = False
     """Random token rows of seq_len instead of a dataset (benchmarking; no tokenizer needed)."""
     pack: bool = True
-    """Pack samples into rows of seq_len tokens."""
+    """Pack samples into rows of seq_len tokens (off: one sample per row, padded)."""
     on_bad_row: Literal["skip", "fail"] = "skip"
     """What to do with a row that is malformed, empty or longer than seq_len."""
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(0, ge=0)
+    """Write a full training checkpoint every this many steps (0: only at the end)."""
+    keep: int = Field(2, gt=0)
+    """How many of the newest training checkpoints to keep."""
+    hf_interval: int = Field(0, ge=0)
+    """Also export a Hugging Face checkpoint every this many steps (0: only at the end)."""
+
+
+class ResumeConfig(Section):
+    enabled: bool = False
+    """Resume from a training checkpoint of this run (`--resume`)."""
+    step: int | None = None
+    """Resume from this step's checkpoint instead of the latest (`--resume.step N`)."""
+
+    @model_validator(mode="after")
+    def _step_implies_enabled(self) -> ResumeConfig:
+        if self.step is not None and not self.enabled:
+            self.enabled = True
+        return self
+
+
+class DeployConfig(Section):
+    nproc: int = Field(1, gt=0)
+    """Trainer processes on this machine; above 1, `tandem sft` launches torchrun itself."""
+
+
+class WandbConfig(Section):
+    enabled: bool = False
+    """Log metrics to Weights & Biases (needs the `wandb` extra)."""
+    project: str = "tandem"
+    """W&B project name."""
 
 
 class SftConfig(RunConfig):
@@ -31,10 +67,30 @@ class SftConfig(RunConfig):
     micro_batch_size: int = Field(1, gt=0)
     """Rows per forward/backward pass on one rank (gradient accumulation fills the rest)."""
     seed: int = 0
-    """Seed for initialisation, data order and dropout."""
+    """Seed for initialisation and data order."""
+    random_init: bool = False
+    """Initialise the weights randomly from the model's config.json instead of loading them."""
+    compile: bool = False
+    """torch.compile each decoder block."""
+    fullgraph: bool = True
+    """Compile blocks with fullgraph=True (fail on graph breaks rather than fall back)."""
+    activation_checkpointing: Literal["off", "full", "selective"] = "off"
+    """Recompute activations in backward: every block (full), every other block (selective), or none."""
+    loss_chunk_size: int = Field(1024, gt=0)
+    """Tokens per chunk in the chunked cross-entropy (bounds the logits held in memory)."""
+    log_interval: int = Field(1, gt=0)
+    """Print a log line every this many steps (metrics.jsonl gets every step)."""
     data: SftDataConfig = SftDataConfig()
     """Training data."""
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Learning-rate schedule."""
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Checkpointing."""
+    resume: ResumeConfig = ResumeConfig()
+    """Resuming a killed run."""
+    deploy: DeployConfig = DeployConfig()
+    """Processes to launch."""
+    wandb: WandbConfig = WandbConfig()
+    """Optional W&B monitoring."""
