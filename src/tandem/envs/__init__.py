@@ -1,0 +1,47 @@
+"""Environments: task rows, reward functions, the select block, and built-in tasksets.
+
+Eval and training both go through this package: `load_env(EnvConfig)` builds a
+taskset, `apply_select` picks its tasks, `run_episode` rolls one out and scores it.
+See docs/environments.md.
+"""
+
+from tandem.envs.base import ROLLOUT_FIELDS, Message, Score, Task, Taskset, last_assistant_text, metric, reward
+from tandem.envs.config import EnvConfig, load_env
+from tandem.envs.multiturn import Episode, Generate, MultiTurnTaskset, run_episode
+from tandem.envs.numbers import extract_boxed, extract_final_number, find_numbers, normalize_number
+from tandem.envs.registry import load_taskset, register_taskset, registered_tasksets, resolve_taskset
+from tandem.envs.select import IdxRange, SelectConfig, SelectError, SelectWarning, TaskFilter, apply_select, parse_idx
+from tandem.envs.synthetic import SyntheticTaskset
+
+__all__ = [
+    "ROLLOUT_FIELDS",
+    "EnvConfig",
+    "Episode",
+    "Generate",
+    "IdxRange",
+    "Message",
+    "MultiTurnTaskset",
+    "Score",
+    "SelectConfig",
+    "SelectError",
+    "SelectWarning",
+    "SyntheticTaskset",
+    "Task",
+    "TaskFilter",
+    "Taskset",
+    "apply_select",
+    "extract_boxed",
+    "extract_final_number",
+    "find_numbers",
+    "last_assistant_text",
+    "load_env",
+    "load_taskset",
+    "metric",
+    "normalize_number",
+    "parse_idx",
+    "register_taskset",
+    "registered_tasksets",
+    "resolve_taskset",
+    "reward",
+    "run_episode",
+]

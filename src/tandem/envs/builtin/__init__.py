@@ -1,0 +1,1 @@
+"""Built-in tasksets, registered by id in `tandem.envs.registry`."""

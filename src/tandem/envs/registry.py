@@ -1,0 +1,74 @@
+"""Find a taskset class by registered id ("gsm8k") or import path ("my_pkg.tasks:MyTaskset") and build it.
+
+Ids map to import paths, so registering costs nothing until the taskset is used.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from typing import Any
+
+from tandem.envs.base import Taskset, require_rewards
+
+_REGISTRY: dict[str, str] = {
+    "reverse_text": "tandem.envs.builtin.reverse_text:ReverseText",
+    "arithmetic": "tandem.envs.builtin.arithmetic:Arithmetic",
+    "gsm8k": "tandem.envs.builtin.gsm8k:GSM8K",
+    "guess_number": "tandem.envs.builtin.guess_number:GuessNumber",
+}
+
+
+def register_taskset(taskset_id: str, target: str) -> None:
+    """Make `taskset_id` name the taskset at import path `target` ("pkg.module:Class")."""
+    if ":" in taskset_id:
+        raise ValueError(f"taskset id {taskset_id!r} may not contain ':' (that marks an import path)")
+    if _REGISTRY.get(taskset_id, target) != target:
+        raise ValueError(f"taskset id {taskset_id!r} is already registered to {_REGISTRY[taskset_id]!r}")
+    _REGISTRY[taskset_id] = target
+
+
+def registered_tasksets() -> dict[str, str]:
+    """Every registered id and its import path."""
+    return dict(_REGISTRY)
+
+
+def resolve_taskset(id_or_path: str) -> type[Taskset]:
+    """The taskset class for a registered id or a "pkg.module:Class" path; errors name what was wrong."""
+    if ":" in id_or_path:
+        path = id_or_path
+    elif id_or_path in _REGISTRY:
+        path = _REGISTRY[id_or_path]
+    else:
+        close = difflib.get_close_matches(id_or_path, _REGISTRY, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"unknown taskset id {id_or_path!r}; {hint}registered: {', '.join(sorted(_REGISTRY))}; "
+            "or give an import path 'pkg.module:Class'"
+        )
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"taskset import path {path!r} must look like 'pkg.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"taskset {id_or_path!r}: cannot import module {module_name!r}: {e}") from e
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ImportError(f"taskset {id_or_path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not (inspect.isclass(cls) and issubclass(cls, Taskset)) or inspect.isabstract(cls):
+        raise TypeError(f"taskset {id_or_path!r}: {path!r} is not a concrete subclass of tandem.envs.Taskset")
+    require_rewards(cls)
+    return cls
+
+
+def load_taskset(id_or_path: str, **args: Any) -> Taskset:
+    """Build the taskset named by id or import path with constructor `args` (checked before the call)."""
+    cls = resolve_taskset(id_or_path)
+    try:
+        inspect.signature(cls).bind(**args)
+    except TypeError as e:
+        accepted = ", ".join(inspect.signature(cls).parameters) or "no arguments"
+        raise TypeError(f"taskset {id_or_path!r}: bad args {sorted(args)}: {e}; it takes: {accepted}") from None
+    return cls(**args)

@@ -1,0 +1,75 @@
+"""Built-in single-turn tasksets: determinism, rewards on correct and incorrect answers, argument checks."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import operator
+
+import pytest
+
+from tandem.envs import load_taskset
+
+SYMBOLS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+def reward(taskset, task, completion) -> float:
+    return asyncio.run(taskset.score(task, completion)).reward
+
+
+@pytest.mark.parametrize("taskset_id", ["reverse_text", "arithmetic", "guess_number"])
+def test_synthetic_tasks_depend_only_on_seed_and_idx(taskset_id):
+    finite = load_taskset(taskset_id, seed=3, num_tasks=10).tasks()
+    infinite = list(itertools.islice(load_taskset(taskset_id, seed=3).tasks(), 10))
+    assert isinstance(finite, list) and not isinstance(load_taskset(taskset_id).tasks(), list)
+    assert finite == infinite
+    assert load_taskset(taskset_id, seed=3).task(7) == finite[7]
+    assert load_taskset(taskset_id, seed=4, num_tasks=10).tasks() != finite
+    assert [t.idx for t in finite] == list(range(10))
+    assert len({t.id for t in finite}) == 10
+
+
+def test_num_tasks_must_be_positive():
+    with pytest.raises(ValueError, match="num_tasks must be >= 1"):
+        load_taskset("reverse_text", num_tasks=0)
+
+
+def test_reverse_text_rewards_similarity():
+    taskset = load_taskset("reverse_text", num_tasks=1)
+    task = taskset.tasks()[0]
+    assert task.prompt.endswith(task.info["text"]) and task.answer == task.info["text"][::-1]
+    exact = asyncio.run(taskset.score(task, f"  {task.answer}\n"))
+    assert exact.reward == 1.0 and exact.metrics["exact"] == 1.0
+    near = asyncio.run(taskset.score(task, task.answer[:-2]))
+    assert 0.5 < near.reward < 1.0 and near.metrics["exact"] == 0.0
+    assert reward(taskset, task, task.info["text"]) < near.reward  # unreversed text
+    assert reward(taskset, task, "") == 0.0
+
+
+def test_reverse_text_checks_word_counts():
+    with pytest.raises(ValueError, match="min_words"):
+        load_taskset("reverse_text", min_words=4, max_words=2)
+
+
+def test_arithmetic_exact_answer():
+    taskset = load_taskset("arithmetic", num_tasks=30, operations=["sub"], max_operand=9)
+    tasks = taskset.tasks()
+    assert {t.name for t in tasks} == {"sub"}
+    negative = next(t for t in tasks if t.answer.startswith("-"))
+    assert reward(taskset, negative, negative.answer) == 1.0
+    assert reward(taskset, negative, f"The answer is {negative.answer}.") == 1.0
+    assert reward(taskset, negative, negative.answer.lstrip("-")) == 0.0
+    assert reward(taskset, negative, "I cannot say") == 0.0
+
+
+def test_arithmetic_names_are_operations():
+    tasks = load_taskset("arithmetic", num_tasks=60).tasks()
+    assert {t.name for t in tasks} == {"add", "sub", "mul"}
+    for task in tasks:
+        a, symbol, b = task.prompt.removeprefix("What is ").split("?")[0].split()
+        assert str(SYMBOLS[symbol](int(a), int(b))) == task.answer
+
+
+def test_arithmetic_checks_operations():
+    with pytest.raises(ValueError, match="operations"):
+        load_taskset("arithmetic", operations=["div"])
