@@ -29,6 +29,13 @@ def test_synthetic_tasks_depend_only_on_seed_and_idx(taskset_id):
     assert len({t.id for t in finite}) == 10
 
 
+def test_synthetic_tasks_do_not_drift():
+    """Golden rows: a change to task generation would silently change every eval set built on these ids."""
+    assert load_taskset("arithmetic").task(0).prompt == "What is 86 * 73? Reply with the number only."
+    assert load_taskset("guess_number").task(0).answer == "75"
+    assert load_taskset("reverse_text", seed=1).task(5).info["text"] == "apple quiet quiet"
+
+
 def test_num_tasks_must_be_positive():
     with pytest.raises(ValueError, match="num_tasks must be >= 1"):
         load_taskset("reverse_text", num_tasks=0)
