@@ -195,3 +195,11 @@ def test_bare_section_flag_turns_on_its_enabled_switch():
     config, _ = load_config(SftConfig, ["--resume.step", "3"])
     assert config.resume.enabled is True and config.resume.step == 3
     assert load_config(SftConfig, ["--resume", "--no-resume"])[0].resume.enabled is False
+
+
+def test_model_shorthand_is_the_model_name(tmp_path):
+    config, _ = load_config(RlConfig, ["--model", "./dir", "--trainer.model.dtype", "float32"])
+    assert config.model.name == config.trainer.model.name == config.inference.model.name == "./dir"
+    assert config.trainer.model.dtype == "float32"
+    a = write(tmp_path, "a.toml", 'model = "other"\n')
+    assert load_config(RlConfig, ["@", a])[0].orchestrator.model.name == "other"

@@ -21,6 +21,12 @@ class ModelConfig(Section):
     dtype: Dtype = "bfloat16"
     """Parameter dtype the model runs in."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _name_shorthand(cls, data: Any) -> Any:
+        """`--model ./dir` and `model = "dir"` mean `model.name`."""
+        return {"name": data} if isinstance(data, str) else data
+
 
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -67,8 +73,11 @@ class RunConfig(Section):
                 if key not in data or key not in target.model_fields:
                     continue
                 value = data[key]
+                field_type = target.model_fields[key].annotation
                 if isinstance(value, Section):
-                    value = value.model_dump()
+                    value = value.model_dump(exclude_unset=True)
+                elif isinstance(field_type, type) and issubclass(field_type, Section) and not isinstance(value, dict):
+                    value = field_type.model_validate(value).model_dump(exclude_unset=True)
                 own = section.get(key)
                 if isinstance(value, dict) and isinstance(own, dict):
                     section[key] = deep_merge(value, own)

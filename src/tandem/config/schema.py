@@ -109,6 +109,6 @@ def annotation_name(annotation: Any) -> str:
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
     if origin is not None:
-        inner = ", ".join(annotation_name(a) for a in typing.get_args(annotation))
+        inner = ", ".join("..." if a is Ellipsis else annotation_name(a) for a in typing.get_args(annotation))
         return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
     return getattr(annotation, "__name__", str(annotation))
