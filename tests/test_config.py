@@ -203,3 +203,10 @@ def test_model_shorthand_is_the_model_name(tmp_path):
     assert config.trainer.model.dtype == "float32"
     a = write(tmp_path, "a.toml", 'model = "other"\n')
     assert load_config(RlConfig, ["@", a])[0].orchestrator.model.name == "other"
+
+
+def test_model_shorthand_then_model_flags_merge():
+    config, _ = load_config(SftConfig, ["--model", "dir", "--model.dtype", "float32"])
+    assert config.model.name == "dir" and config.model.dtype == "float32"
+    with pytest.raises(ConfigError, match=r"invalid value '3' \(from flag --optim\)"):
+        load_config(SftConfig, ["--optim", "3"])

@@ -47,7 +47,7 @@ COMMANDS = {
             "tandem.config.rl:RlConfig",
             issue=7,
         ),
-        Command("sft", "Supervised fine-tuning on FSDP2.", "tandem.config.sft:SftConfig", issue=4),
+        Command("sft", "Supervised fine-tuning on FSDP2.", "tandem.config.sft:SftConfig", "tandem.trainer.sft:launch"),
         Command(
             "eval",
             "Evaluate environments against an OpenAI-compatible server.",

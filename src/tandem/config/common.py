@@ -13,6 +13,7 @@ from tandem.config.base import Section
 from tandem.config.loader import deep_merge
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+MoeBackend = Literal["loop", "grouped_mm"]
 
 
 class ModelConfig(Section):
@@ -20,6 +21,12 @@ class ModelConfig(Section):
     """Hugging Face model directory (config.json + safetensors + tokenizer files) or hub id."""
     dtype: Dtype = "bfloat16"
     """Parameter dtype the model runs in."""
+    attn_backend: Literal["auto", "sdpa", "flex"] = "auto"
+    """Attention kernel: sdpa (any device), flex (GPU; packed documents without a dense mask), or auto."""
+    moe_backend: MoeBackend | list[MoeBackend] = "grouped_mm"
+    """MoE expert compute, one name for every layer or a list with one per layer."""
+    freeze_router: bool = False
+    """Stop gradients into MoE routers (RL turns this on so expert choices match inference)."""
 
     @model_validator(mode="before")
     @classmethod

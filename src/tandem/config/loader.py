@@ -87,6 +87,7 @@ def _checked(
             dotted = ".".join(kebab(str(part)) for part in key_path)
             raise ConfigError(f"unknown key `{dotted}`{suggest(key, error.valid, key_prefix)} in {where}") from None
         source.origin[key_path] = where
+        value = _shorthand_to_table(kind, value, where)
         if kind.model is not None and isinstance(value, dict):
             value = _checked(kind.model, value, source, raw_path, key_path)
         elif kind.list_of_model is not None and isinstance(value, list):
@@ -98,6 +99,17 @@ def _checked(
             ]
         out[key] = value
     return out
+
+
+def _shorthand_to_table(kind: FieldKind, value: Any, where: str) -> Any:
+    """A section given as a scalar (`model = "dir"`) becomes the table its validator makes of it,
+    so a later `--model.dtype` merges into it instead of replacing it."""
+    if kind.model is None or isinstance(value, dict):
+        return value
+    try:
+        return kind.model.model_validate(value).model_dump(exclude_unset=True)
+    except ValidationError as error:
+        raise ConfigError(f"invalid value {value!r} (from {where}): {error.errors()[0]['msg']}") from None
 
 
 def _nest(path: list[str], value: Any) -> dict[str, Any]:
@@ -175,6 +187,7 @@ def add_flag(layers: Layers, model: type[BaseModel], flag: str, values: list[str
         value = False
     else:
         value = _flag_value(kind, flag, values)
+    value = _shorthand_to_table(kind, value, f"flag {flag}")
     if kind.model is not None and isinstance(value, dict):
         value = _checked(kind.model, value, _Source(f"flag {flag}", layers.origin), (), tuple(path))
     layers.origin[tuple(path)] = f"flag {flag}"

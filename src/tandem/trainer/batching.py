@@ -1,0 +1,90 @@
+"""Which rows each rank trains at a step: a deterministic global order, balanced by tokens across ranks."""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from tandem.trainer.data import PackedRow
+
+
+def step_indices(step: int, batch_size: int, num_rows: int, seed: int) -> list[int]:
+    """Dataset rows of optimizer step `step`: consecutive slices of one shuffled order per epoch.
+
+    The rows of a step depend only on (seed, step), which is what makes resuming exact: the
+    data position is the step number.
+    """
+    indices = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(position, num_rows)
+        indices.append(int(_epoch_order(seed, epoch, num_rows)[offset]))
+    return indices
+
+
+_ORDER_CACHE: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _epoch_order(seed: int, epoch: int, num_rows: int) -> torch.Tensor:
+    key = (seed, epoch, num_rows)
+    if key not in _ORDER_CACHE:
+        _ORDER_CACHE.clear()  # one epoch at a time is all a run needs
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        _ORDER_CACHE[key] = torch.randperm(num_rows, generator=generator)
+    return _ORDER_CACHE[key]
+
+
+class DatasetSteps:
+    """The rows of each step from a packed dataset."""
+
+    def __init__(self, rows: list[PackedRow], batch_size: int, seed: int):
+        self.rows, self.batch_size, self.seed = rows, batch_size, seed
+
+    def __call__(self, step: int) -> list[PackedRow]:
+        return [self.rows[i] for i in step_indices(step, self.batch_size, len(self.rows), self.seed)]
+
+
+class FakeSteps:
+    """Random full rows of seq_len tokens (one document each), a function of (seed, step): for benchmarks."""
+
+    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, seed: int):
+        self.vocab_size, self.seq_len, self.batch_size, self.seed = vocab_size, seq_len, batch_size, seed
+
+    def __call__(self, step: int) -> list[PackedRow]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        tokens = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=generator)
+        positions = torch.arange(self.seq_len)
+        loss_mask = torch.ones(self.seq_len, dtype=torch.bool)
+        return [PackedRow(row[:-1], positions, row[1:], loss_mask, self.seq_len) for row in tokens]
+
+
+def balance(rows: list[PackedRow], world_size: int) -> list[list[PackedRow]]:
+    """Split rows into `world_size` equal-count groups with token totals as even as greedy allows.
+
+    Every rank must run the same number of micro-batches (FSDP collectives), so counts are equal;
+    within that, the longest rows go first to the rank with the fewest tokens.
+    """
+    if len(rows) % world_size:
+        raise ValueError(f"{len(rows)} rows cannot be split evenly over {world_size} ranks")
+    per_rank = len(rows) // world_size
+    groups: list[list[PackedRow]] = [[] for _ in range(world_size)]
+    heap = [(0, rank) for rank in range(world_size)]
+    for row in sorted(rows, key=lambda r: -r.num_real):
+        skipped = []
+        tokens, rank = heapq.heappop(heap)
+        while len(groups[rank]) >= per_rank:
+            skipped.append((tokens, rank))
+            tokens, rank = heapq.heappop(heap)
+        groups[rank].append(row)
+        heapq.heappush(heap, (tokens + row.num_real, rank))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return groups
+
+
+def stack(rows: list[PackedRow], device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch `[B, seq_len]` of the rows' tensors, on `device`."""
+    return {
+        name: torch.stack([getattr(row, name) for row in rows]).to(device, non_blocking=True)
+        for name in ("input_ids", "position_ids", "target_ids", "loss_mask")
+    }

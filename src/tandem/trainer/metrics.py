@@ -1,0 +1,92 @@
+"""Per-step training metrics: throughput, MFU, memory; written to metrics.jsonl and shown live."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s by device name fragment (the torchtitan convention: no sparsity).
+BF16_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where unknown (CPU): MFU is then not reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in BF16_PEAK_FLOPS.items() if key in name), None)
+
+
+def flops_per_token(
+    non_embedding_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int
+) -> float:
+    """Training FLOPs per token as torchtitan counts them: 6·N plus 12·L·H·D·S for attention.
+
+    N counts non-embedding parameters (for MoE, only the experts a token is routed to); the
+    attention term is the full S×S score matrix (no causal halving), as torchtitan does.
+    """
+    return 6 * non_embedding_params + 12 * num_layers * num_heads * head_dim * seq_len
+
+
+class MetricsWriter:
+    """Append one JSON object per step to metrics.jsonl (rank 0 only), flushing every line."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step and path.exists():
+            self._truncate_after(resume_step)
+        elif not resume_step:
+            path.unlink(missing_ok=True)
+        self._handle = path.open("a", encoding="utf-8")
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines past the resumed step, so a resumed run never double-counts a step."""
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line half-written when the process was killed
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class StepTimer:
+    """Wall time of a step, synchronising the device only at the step boundary."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak tensor memory on a GPU since the last reset; on CPU, the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux

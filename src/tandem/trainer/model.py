@@ -1,0 +1,102 @@
+"""The model as the trainer runs it: loaded or random, activation checkpointing, compiled, FSDP2-sharded."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from tandem.config import ConfigError
+from tandem.config.common import ModelConfig
+from tandem.models import ModelArgs, build_model, load_model, save_model
+from tandem.trainer.metrics import flops_per_token
+from tandem.trainer.parallel import DTYPES, World, shard_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    args: ModelArgs
+    source_dir: Path
+    vocab_size: int
+    num_params: int
+    flops_per_token: float
+
+
+def runtime_options(config: ModelConfig) -> dict:
+    backend = config.moe_backend
+    return {
+        "attn_backend": config.attn_backend,
+        "moe_backend": tuple(backend) if isinstance(backend, list) else backend,
+        "freeze_router": config.freeze_router,
+    }
+
+
+def active_params(model: torch.nn.Module, args: ModelArgs) -> int:
+    """Non-embedding parameters one token uses: MoE layers count only the top-k experts."""
+    total = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    if args.tie_word_embeddings:
+        total += args.vocab_size * args.hidden_size  # the LM head still does its matmul
+    if args.moe is not None:
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        total -= experts * (args.moe.num_experts - args.moe.top_k) // args.moe.num_experts
+    return total
+
+
+def build_training_model(config, world: World) -> tuple[torch.nn.Module, ModelInfo]:
+    """fp32 master weights on the device, blocks wrapped for AC and compile, then fully_shard."""
+    if not config.model.name:
+        raise ConfigError("set model.name to a Hugging Face model directory (config.json, and weights unless random_init)")
+    source = Path(config.model.name)
+    runtime = runtime_options(config.model)
+    if config.random_init:
+        model = build_model(source, dtype=torch.float32, device=world.device, seed=config.seed, **runtime)
+    else:
+        model = load_model(source, dtype=torch.float32, device=world.device, **runtime)
+    args: ModelArgs = model.args
+    info = ModelInfo(
+        args=args,
+        source_dir=source,
+        vocab_size=args.vocab_size,
+        num_params=sum(p.numel() for p in model.parameters()),
+        flops_per_token=flops_per_token(
+            active_params(model, args), args.num_layers, args.num_heads, args.head_dim, config.seq_len
+        ),
+    )
+    for index, block in enumerate(model.layers):
+        wrap = config.activation_checkpointing == "full" or (
+            config.activation_checkpointing == "selective" and index % 2 == 0
+        )
+        if config.compile:
+            block.compile(fullgraph=config.fullgraph)
+        if wrap:
+            model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+    shard_model(model, config.model.dtype)
+    if world.is_main:
+        logger.info(
+            "model: %s, %.1fM parameters, compute in %s, activation checkpointing %s, compile %s",
+            args.architecture,
+            info.num_params / 1e6,
+            config.model.dtype,
+            config.activation_checkpointing,
+            config.compile,
+        )
+    return model, info
+
+
+def export_hf(model: torch.nn.Module, info: ModelInfo, path: Path, world: World, dtype: str) -> None:
+    """Gather the full weights and write a Hugging Face directory from rank 0."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if world.is_main:
+        export = build_model(info.args, device="meta")
+        export.load_state_dict(state, assign=True, strict=True)
+        save_model(export, path, dtype=DTYPES[dtype], tokenizer_dir=info.source_dir)
+        logger.info("saved Hugging Face checkpoint %s", path)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,122 @@
+"""What a training run shows and records each step: a rich progress bar, log lines, metrics.jsonl, W&B."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from tandem.config import ConfigError
+from tandem.trainer.metrics import MetricsWriter, StepTimer, device_peak_flops, peak_memory_gib
+from tandem.trainer.parallel import World
+
+logger = logging.getLogger(__name__)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+class Monitor:
+    """Rank 0 shows and writes; every rank joins the one all-reduce of the step's loss."""
+
+    def __init__(self, config, world: World, info, start_step: int):
+        self.config, self.world, self.info = config, world, info
+        self.peak_flops = device_peak_flops(world.device)
+        self.timer = StepTimer(world.device)
+        self.writer = MetricsWriter(config.run_dir / "metrics.jsonl", start_step) if world.is_main else None
+        self.progress = None
+        self.wandb = None
+        if world.is_main:
+            self.progress = Progress(
+                TextColumn("[bold]sft"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self.task = self.progress.add_task("sft", total=config.max_steps, completed=start_step, status="")
+            self.progress.start()
+            if config.wandb.enabled:
+                self.wandb = _start_wandb(config)
+
+    def start_step(self) -> None:
+        self.timer.lap()
+        if self.world.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.world.device)
+
+    def end_step(
+        self,
+        step: int,
+        loss_sum: torch.Tensor,
+        loss_tokens: int,
+        grad_norm: torch.Tensor,
+        lr: float,
+        real_tokens: int,
+    ) -> None:
+        stats = torch.stack([loss_sum.float(), _full(grad_norm).float().to(loss_sum.device)])
+        if dist.is_initialized() and self.world.world_size > 1:
+            dist.all_reduce(stats[:1])
+        step_time = self.timer.lap()
+        if not self.world.is_main:
+            return
+        tokens_per_s = real_tokens / step_time
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": float(stats[0]) / loss_tokens,
+            "grad_norm": float(stats[1]),
+            "lr": lr,
+            "loss_tokens": loss_tokens,
+            "tokens": real_tokens,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": step_time,
+            "mfu": (self.info.flops_per_token * tokens_per_s / (self.peak_flops * self.world.world_size))
+            if self.peak_flops
+            else None,
+            "peak_memory_gib": peak_memory_gib(self.world.device),
+            "time": time.time(),
+        }
+        self.writer.write(record)
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+        status = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s"
+        self.progress.update(self.task, completed=step, status=status)
+        if step % self.config.log_interval == 0 or step == self.config.max_steps:
+            mfu = f"  mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
+            memory = f"  mem {record['peak_memory_gib']:.2f} GiB"
+            logger.info(
+                "step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %s real tok/s  %.3fs%s%s",
+                step,
+                self.config.max_steps,
+                record["loss"],
+                record["grad_norm"],
+                lr,
+                f"{tokens_per_s:,.0f}",
+                step_time,
+                mfu,
+                memory,
+            )
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(config):
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("wandb.enabled needs the wandb extra: pip install -e '.[wandb]'") from None
+    return wandb.init(project=config.wandb.project, name=config.run_name, config=config.model_dump(mode="json"))

@@ -1,0 +1,27 @@
+"""Learning-rate schedules: linear warm-up, then constant, linear or cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tandem.config.common import SchedulerConfig
+
+
+def lr_factor(step: int, total_steps: int, config: SchedulerConfig) -> float:
+    """Multiplier of the peak LR used for optimizer step `step` (0-based)."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.type == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    shape = 1.0 - progress if config.type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, config: SchedulerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, config))

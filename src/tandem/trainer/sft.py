@@ -1,0 +1,180 @@
+"""`tandem sft`: supervised fine-tuning on FSDP2.
+
+Run as `tandem sft @ config.toml` (one process, or `--deploy.nproc N` to have it launch torchrun),
+or by hand as `torchrun --nproc-per-node N -m tandem.trainer.sft @ config.toml` (multi-node too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tandem.config import ConfigError, load_config, to_toml
+from tandem.config.sft import SftConfig
+from tandem.run import atomic_write_text, prepare_run_dir, setup_logging
+from tandem.trainer import ckpt
+from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, stack
+from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
+from tandem.trainer.model import build_training_model, export_hf
+from tandem.trainer.monitor import Monitor
+from tandem.trainer.parallel import World, init_distributed
+from tandem.trainer.schedule import build_scheduler
+
+logger = logging.getLogger(__name__)
+
+# The loss head returns a reshaped (view) tensor that we only reduce, never modify in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def _load_tokenizer(config: SftConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model.name)
+
+
+def _hf_rows(config: SftConfig):
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            f"data.path {config.data.path!r} is not a local file, and loading it as a Hugging Face dataset "
+            "needs `pip install datasets`"
+        ) from None
+    dataset = datasets.load_dataset(config.data.path, split=config.data.split)
+    return ((index + 1, row) for index, row in enumerate(dataset))
+
+
+def build_steps(config: SftConfig, vocab_size: int):
+    """The per-step row source: fake random rows, or the tokenised, packed dataset."""
+    if config.data.fake:
+        return FakeSteps(vocab_size, config.seq_len, config.batch_size, config.seed)
+    if not config.data.path:
+        raise ConfigError("no training data: set data.path (a JSONL file or dataset name) or data.fake = true")
+    tokenizer = _load_tokenizer(config)
+    path = Path(config.data.path)
+    rows = read_jsonl(path) if path.suffix == ".jsonl" or path.exists() else _hf_rows(config)
+    samples, report = load_samples(rows, tokenizer, config.seq_len, config.data.on_bad_row)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    packed = (pack if config.data.pack else pad_each)(samples, config.seq_len, pad_id)
+    logger.info(
+        "data: %d samples (%d bad rows skipped) in %d rows of %d tokens (%.0f%% filled)",
+        len(samples),
+        report.total,
+        len(packed),
+        config.seq_len,
+        100 * sum(r.num_real for r in packed) / (len(packed) * config.seq_len),
+    )
+    return DatasetSteps(packed, config.batch_size, config.seed)
+
+
+def _check_split(config: SftConfig, world: World) -> int:
+    """Micro-batches per rank per step; the batch must split evenly over ranks and micro-batches."""
+    per_rank, remainder = divmod(config.batch_size, world.world_size * config.micro_batch_size)
+    if remainder or per_rank == 0:
+        raise ConfigError(
+            f"batch_size {config.batch_size} must be a multiple of world size {world.world_size} "
+            f"x micro_batch_size {config.micro_batch_size}"
+        )
+    return per_rank
+
+
+def train(config: SftConfig) -> int:
+    world = init_distributed()
+    if world.is_main:
+        prepare_run_dir(config)
+    else:
+        setup_logging("warning")
+    torch.manual_seed(config.seed)
+    micro_steps = _check_split(config, world)
+    model, info = build_training_model(config, world)
+    steps = build_steps(config, info.vocab_size)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+        eps=config.optim.eps,
+        weight_decay=config.optim.weight_decay,
+    )
+    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
+    ckpt_root = config.run_dir / "checkpoints"
+    start_step = 0
+    if config.resume.enabled:
+        state = ckpt.load_checkpoint(ckpt.resolve_resume(ckpt_root, config.resume.step), model, optimizer, scheduler)
+        start_step = state["step"]
+    monitor = Monitor(config, world, info, start_step)
+    try:
+        for step in range(start_step, config.max_steps):
+            monitor.start_step()
+            batch = steps(step)
+            global_loss_tokens = sum(int(row.loss_mask.sum()) for row in batch)
+            mine = balance(batch, world.world_size)[world.rank]
+            loss_sum = torch.zeros((), device=world.device)
+            for micro in range(micro_steps):
+                rows = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+                inputs = stack(rows, world.device)
+                model.set_requires_gradient_sync(micro == micro_steps - 1)
+                targets = inputs["target_ids"].masked_fill(~inputs["loss_mask"], -100)
+                nll = -model(
+                    inputs["input_ids"], inputs["position_ids"], targets=targets, chunk_size=config.loss_chunk_size
+                ).logprobs.sum()
+                # FSDP averages gradients over ranks; scaling by world size makes the result the sum
+                # over every rank's tokens divided by the global token count, however the batch is split.
+                (nll * (world.world_size / global_loss_tokens)).backward()
+                loss_sum += nll.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            monitor.end_step(step + 1, loss_sum, global_loss_tokens, grad_norm, lr, sum(r.num_real for r in batch))
+            done = step + 1
+            if config.ckpt.interval and done % config.ckpt.interval == 0 and done < config.max_steps:
+                ckpt.save_checkpoint(ckpt_root, done, model, optimizer, scheduler, {}, config.ckpt.keep)
+            if config.ckpt.hf_interval and done % config.ckpt.hf_interval == 0 and done < config.max_steps:
+                export_hf(model, info, config.run_dir / "hf" / f"step-{done:06d}", world, config.model.dtype)
+        ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, {}, config.ckpt.keep)
+        export_hf(model, info, config.run_dir / "hf" / "final", world, config.model.dtype)
+    finally:
+        monitor.close()
+    if world.is_main:
+        logger.info("done: %d steps; Hugging Face checkpoint in %s", config.max_steps, config.run_dir / "hf" / "final")
+    dist.destroy_process_group()
+    return 0
+
+
+def launch(config: SftConfig) -> int:
+    """`tandem sft` entry: train in this process, or launch torchrun with `deploy.nproc` processes."""
+    if config.deploy.nproc == 1 or "LOCAL_RANK" in os.environ:
+        return train(config)
+    resolved = config.run_dir / "sft.toml"
+    atomic_write_text(resolved, to_toml(config))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={config.deploy.nproc}",
+        "-m",
+        "tandem.trainer.sft",
+        "@",
+        str(resolved),
+    ]
+    logging.getLogger("tandem").info("launching: %s", " ".join(command))
+    return subprocess.call(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tandem.trainer.sft @ config.toml [--flags]`, the torchrun entry point."""
+    config, _ = load_config(SftConfig, sys.argv[1:] if argv is None else argv)
+    return train(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
