@@ -1,0 +1,46 @@
+"""tandem's model layer: one implementation per architecture family, shared by the trainer and inference.
+
+Imports nothing else from tandem. See docs/models.md.
+"""
+
+from .architecture import Architecture, HFLayout
+from .build import RUNTIME_OPTIONS, build_model, load_model, model_args
+from .checkpoint import CheckpointError, hf_tensors, iter_runtime_tensors, load_weights, save_model, weight_map
+from .config import ConfigError, ModelArgs, MoEArgs, RopeArgs, read_hf_config
+from .decoder import CausalLM, DecoderBlock
+from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache
+from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
+from .registry import ARCHITECTURES, get_architecture
+
+__all__ = [
+    "ARCHITECTURES",
+    "IGNORE_INDEX",
+    "MOE_BACKENDS",
+    "RUNTIME_OPTIONS",
+    "Architecture",
+    "AttnInputs",
+    "CacheBatch",
+    "CausalLM",
+    "CheckpointError",
+    "ConfigError",
+    "DecoderBlock",
+    "HFLayout",
+    "KVCache",
+    "MoEArgs",
+    "ModelArgs",
+    "RopeArgs",
+    "TokenLogprobs",
+    "build_model",
+    "cross_entropy",
+    "get_architecture",
+    "hf_tensors",
+    "iter_runtime_tensors",
+    "load_model",
+    "load_weights",
+    "model_args",
+    "read_hf_config",
+    "reference_token_logprobs",
+    "save_model",
+    "token_logprobs",
+    "weight_map",
+]

@@ -1,0 +1,31 @@
+"""What the registry holds for one Hugging Face architecture: how to parse its config and name its weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .config import ModelArgs
+from .decoder import CausalLM
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """Hugging Face key templates that differ between families (per layer, after `model.layers.{i}.`)."""
+
+    router: str = "mlp.gate.weight"
+    expert: str = "mlp.experts.{expert}.{proj}.weight"
+    expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    stacked_gate_up: str = "mlp.experts.gate_up_proj"  # transformers' in-memory stacked layout, if ever on disk
+    stacked_down: str = "mlp.experts.down_proj"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_name: str  # `architectures[0]` in config.json
+    parse: Callable[[Mapping[str, Any]], ModelArgs]
+    model_cls: Callable[[ModelArgs], nn.Module] = CausalLM
+    layout: HFLayout = field(default_factory=HFLayout)

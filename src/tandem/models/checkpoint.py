@@ -1,0 +1,283 @@
+"""Hugging Face checkpoints in and out: the runtime <-> HF weight layout, safetensors reading, atomic sharded saving.
+
+`weight_map` is the single description of the layout conversion: for every runtime tensor, the HF tensors it is
+made of (concatenated along dim 0 for fused QKV and gate/up; additionally stacked over experts for MoE). Loading
+builds runtime tensors from it; saving splits them back, so a saved directory has exactly the HF keys, shapes
+and values that `transformers` expects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .architecture import HFLayout
+from .config import ModelArgs
+from .registry import ARCHITECTURES
+
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+_IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the missing, unexpected or mis-shaped tensors."""
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One runtime tensor from HF tensors: each group in `parts` is concatenated on dim 0; groups are stacked."""
+
+    parts: tuple[tuple[str, ...], ...]
+    stacked: bool = False
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        return tuple(k for group in self.parts for k in group)
+
+
+def _plain(key: str) -> Fused:
+    return Fused(((key,),))
+
+
+def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False) -> dict[str, Fused]:
+    """Runtime parameter name -> the HF tensors it is built from (see module docstring)."""
+    out = {"embed_tokens.weight": _plain("model.embed_tokens.weight"), "norm.weight": _plain("model.norm.weight")}
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = _plain("lm_head.weight")
+    for i in range(args.num_layers):
+        hf, rt = f"model.layers.{i}.", f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
+        for kind in ("weight", "bias") if args.attention_bias else ("weight",):
+            out[f"{rt}self_attn.qkv_proj.{kind}"] = Fused((tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"),))
+            out[f"{rt}self_attn.o_proj.{kind}"] = _plain(f"{hf}self_attn.o_proj.{kind}")
+        if args.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[f"{rt}self_attn.{norm}.weight"] = _plain(f"{hf}self_attn.{norm}.weight")
+        if args.moe is not None and args.is_moe_layer(i):
+            out[f"{rt}mlp.router.weight"] = _plain(hf + layout.router)
+            if stacked_experts:
+                out[f"{rt}mlp.experts.gate_up_proj"] = _plain(hf + layout.stacked_gate_up)
+                out[f"{rt}mlp.experts.down_proj"] = _plain(hf + layout.stacked_down)
+                continue
+            gate, up, down = layout.expert_projs
+            experts = range(args.moe.num_experts)
+            name = hf + layout.expert
+            out[f"{rt}mlp.experts.gate_up_proj"] = Fused(
+                tuple((name.format(expert=e, proj=gate), name.format(expert=e, proj=up)) for e in experts), stacked=True
+            )
+            out[f"{rt}mlp.experts.down_proj"] = Fused(
+                tuple((name.format(expert=e, proj=down),) for e in experts), stacked=True
+            )
+        else:
+            for kind in ("weight", "bias") if args.mlp_bias else ("weight",):
+                out[f"{rt}mlp.gate_up_proj.{kind}"] = Fused(((f"{hf}mlp.gate_proj.{kind}", f"{hf}mlp.up_proj.{kind}"),))
+                out[f"{rt}mlp.down_proj.{kind}"] = _plain(f"{hf}mlp.down_proj.{kind}")
+    return out
+
+
+def _layout(args: ModelArgs) -> HFLayout:
+    return ARCHITECTURES[args.architecture].layout
+
+
+def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under their HF names and shapes (views of the runtime tensors, no copies)."""
+    args: ModelArgs = model.args
+    state = model.state_dict()
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    for name, fused in weight_map(args, _layout(args)).items():
+        tensor = state[name]
+        groups = tensor.unbind(0) if fused.stacked else (tensor,)
+        for group, keys in zip(groups, fused.parts, strict=True):
+            sizes = (q, kv, kv) if len(keys) == 3 else (group.shape[0] // len(keys),) * len(keys)
+            yield from zip(keys, group.split(sizes), strict=True)
+
+
+class _Reader:
+    """Lazy, per-tensor access to the safetensors of a HF directory (one file, or shards with an index)."""
+
+    def __init__(self, path: Path) -> None:
+        index = path / INDEX_FILE
+        if index.is_file():
+            self.files = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"missing weights: no *.safetensors files (or {INDEX_FILE}) in {path}")
+            self.files = {}
+            for file in files:
+                with safe_open(file, "pt") as f:
+                    self.files.update(dict.fromkeys(f.keys(), file))
+        self._open: dict[Path, Any] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self.files[key]
+        if file not in self._open:
+            self._open[file] = safe_open(file, "pt")
+        return self._open[file].get_tensor(key)
+
+
+def _check_keys(available: set[str], wanted: Mapping[str, Fused], args: ModelArgs, path: Path) -> None:
+    needed = {k for fused in wanted.values() for k in fused.hf_keys}
+    missing = sorted(needed - available)
+    ignorable = {"lm_head.weight"} if args.tie_word_embeddings else set()
+    unexpected = sorted(k for k in available - needed - ignorable if not _IGNORED_HF_KEYS.match(k))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    if problems:
+        raise CheckpointError(f"{path} does not match {args.architecture}: " + "; ".join(problems))
+
+
+def iter_runtime_tensors(path: str | Path, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """(runtime name, tensor) one at a time from a HF directory, in checkpoint dtype, on CPU.
+
+    Checks every key first, so a bad checkpoint fails before anything is loaded. Experts may be stored per
+    expert (what transformers writes) or already stacked (`mlp.experts.gate_up_proj` `[E, 2I, H]`).
+    """
+    path = Path(path)
+    reader = _Reader(path)
+    layout = _layout(args)
+    stacked = any(k.endswith(layout.stacked_gate_up) for k in reader.files)
+    wanted = weight_map(args, layout, stacked_experts=stacked)
+    _check_keys(set(reader.files), wanted, args, path)
+    for name, fused in wanted.items():
+        groups = [torch.cat([reader.get(k) for k in keys]) for keys in fused.parts]
+        yield name, torch.stack(groups) if fused.stacked else groups[0]
+
+
+def load_weights(
+    model: nn.Module, path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> nn.Module:
+    """Fill `model` (possibly on `meta`) from a HF directory, tensor by tensor; meta parameters are materialised
+    on `device` (default CPU), others are copied in place."""
+    params = dict(model.named_parameters())
+    for name, tensor in iter_runtime_tensors(path, model.args):
+        param = params[name]
+        if tensor.shape != param.shape:
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+        if param.is_meta:
+            module_name, _, attr = name.rpartition(".")
+            value = tensor.to(device=device or "cpu", dtype=dtype or param.dtype)
+            setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=param.requires_grad))
+        else:
+            with torch.no_grad():
+                param.copy_(tensor)
+    model.rotary.init_buffers(model.embed_tokens.weight.device)
+    return model
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?i?B)?\s*", size, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"cannot parse size {size!r}; use bytes or e.g. '5GB', '500MB'")
+    unit = (match.group(2) or "B").upper().replace("I", "")
+    return int(float(match.group(1)) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[unit])
+
+
+def _plan_shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int, dtype: torch.dtype | None) -> list[list[int]]:
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, t) in enumerate(tensors):
+        nbytes = t.numel() * (t.element_size() if dtype is None else dtype.itemsize)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def save_model(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write a HF directory (`config.json`, safetensors, tokenizer and generation config) that transformers loads.
+
+    Shards above `max_shard_size` and writes `model.safetensors.index.json`. Everything is written to a
+    temporary sibling directory first and renamed into place, so `path` is never half-written. Tokenizer files
+    come from `tokenizer_dir`, else from the directory the model was loaded from (`model.source_dir`).
+    """
+    path = Path(path)
+    args: ModelArgs = model.args
+    tensors = list(hf_tensors(model))
+    shards = _plan_shards(tensors, _parse_size(max_shard_size), dtype)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        weight_files: dict[str, str] = {}
+        for n, shard in enumerate(shards, start=1):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            chunk = {tensors[i][0]: tensors[i][1].detach().to("cpu", dtype).clone() for i in shard}
+            save_file(chunk, tmp / file, metadata={"format": "pt"})
+            weight_files.update(dict.fromkeys(chunk, file))
+        if len(shards) > 1:
+            total = sum(t.numel() * (dtype.itemsize if dtype else t.element_size()) for _, t in tensors)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_files}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(_hf_config(args, dtype or tensors[0][1].dtype), indent=2))
+        source = tokenizer_dir or getattr(model, "source_dir", None)
+        for name in TOKENIZER_FILES if source else ():
+            if (Path(source) / name).is_file():
+                shutil.copy2(Path(source) / name, tmp / name)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    if not args.hf_config:
+        raise ValueError("ModelArgs has no hf_config to write; build models from a HF config dict or directory")
+    config = dict(args.hf_config)
+    config["architectures"] = [args.architecture]
+    key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+    config[key] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Rename `tmp` to `path`; an existing `path` is moved aside first and removed after the swap."""
+    if not path.exists():
+        os.replace(tmp, path)
+        return
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old)

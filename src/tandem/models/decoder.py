@@ -1,0 +1,137 @@
+"""The shared Llama-style decoder: Qwen3, Llama and Qwen3-MoE are this module with different `ModelArgs`.
+
+Parameter names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`,
+`gate_up_proj`, the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelArgs
+from .layers.attention import Attention, AttnInputs, attention_inputs
+from .layers.kv_cache import CacheBatch, KVCache
+from .layers.mlp import GatedMLP
+from .layers.moe import Experts, MoE
+from .layers.norm import RMSNorm
+from .layers.rope import RotaryEmbedding
+from .logprobs import DEFAULT_CHUNK_SIZE, TokenLogprobs, token_logprobs
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm attention + MLP (dense or MoE). One FSDP / compile unit."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp: nn.Module
+        if args.moe is not None and args.is_moe_layer(layer_idx):
+            moe = args.moe
+            self.mlp = MoE(
+                args.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.norm_topk_prob,
+                backend=args.moe_backend_for(layer_idx),
+                freeze_router=args.freeze_router,
+            )
+        else:
+            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder blocks (`layers[i]`), final norm, LM head (absent when tied to the embedding)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.rope, args.head_dim)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """`[vocab, hidden]`: the LM head, or the embedding when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Random init as Hugging Face does: normal(0, initializer_range) matrices, ones for norms, zero biases."""
+        std = self.args.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=std, generator=generator)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, Experts):
+                nn.init.normal_(module.gate_up_proj, std=std, generator=generator)
+                nn.init.normal_(module.down_proj, std=std, generator=generator)
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.rotary.init_buffers(self.embed_tokens.weight.device)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
+        """Final (normed) hidden states `[B, S, hidden]` for token ids `[B, S]` at integer `positions` `[B, S]`."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head_weight.T
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
+        targets: torch.Tensor | None = None,
+        temperature: float | torch.Tensor = 1.0,
+        kept_ids: torch.Tensor | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> torch.Tensor | TokenLogprobs:
+        """Score a batch `[B, S]`; returns logits `[B, S, V]` unless asked otherwise.
+
+        position_ids: restart at each packed document; attention stays inside documents. Default: 0..S-1.
+        attention_mask: `[B, S]`, 0 for padding (padding never affects real tokens).
+        return_hidden: return final hidden states `[B, S, H]` instead of logits.
+        targets: return `TokenLogprobs` of these ids (chunked; full logits are never formed) with the given
+            temperature / kept_ids (see `logprobs.token_logprobs`) — the training path.
+        """
+        batch, seq = input_ids.shape
+        attn = attention_inputs(self.args.attn_backend, input_ids.device, position_ids, attention_mask)
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        hidden = self.hidden_states(input_ids, position_ids, attn)
+        if targets is not None:
+            return token_logprobs(
+                hidden, self.lm_head_weight, targets, temperature=temperature, kept_ids=kept_ids, chunk_size=chunk_size
+            )
+        return hidden if return_hidden else self.compute_logits(hidden)
+
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+        """Run prompt chunks packed as `[T]`, filling the cache; logits `[N, V]` at each sequence's last token."""
+        return self._cached(input_ids, cache, batch)
+
+    def decode(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+        """One new token per running sequence `[N]`; logits `[N, V]`."""
+        if batch.unpack_index.shape[1] != 1:
+            raise ValueError("decode takes exactly one new token per sequence; use prefill for more")
+        return self._cached(input_ids, cache, batch)
+
+    def _cached(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+        attn = AttnInputs(cache=cache, cache_batch=batch)
+        hidden = self.hidden_states(input_ids[None], batch.positions[None], attn)[0]
+        return self.compute_logits(hidden[batch.last_index])

@@ -1,0 +1,27 @@
+"""Building blocks shared by every architecture: attention (+ KV cache), RoPE, norms, dense MLP, MoE."""
+
+from .attention import Attention, AttnInputs, attention_inputs, document_ids, document_mask
+from .kv_cache import CacheBatch, KVCache
+from .mlp import GatedMLP
+from .moe import MOE_BACKENDS, MoE, route
+from .norm import RMSNorm
+from .rope import RotaryEmbedding, apply_rope, inv_frequencies, rope_cos_sin
+
+__all__ = [
+    "MOE_BACKENDS",
+    "Attention",
+    "AttnInputs",
+    "CacheBatch",
+    "GatedMLP",
+    "KVCache",
+    "MoE",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rope",
+    "attention_inputs",
+    "document_ids",
+    "document_mask",
+    "inv_frequencies",
+    "rope_cos_sin",
+    "route",
+]

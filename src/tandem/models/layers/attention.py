@@ -1,0 +1,164 @@
+"""One attention module, three ways to attend: causal SDPA, document-masked (packed) SDPA or flex, and KV cache.
+
+What differs between the paths is described by `AttnInputs`, built once per forward outside the decoder blocks,
+so a block's forward has no data-dependent Python branching (the branch is on which fields are set).
+
+Documents: wherever `position_ids` does not continue `previous + 1` a new document starts; a token attends
+only to earlier tokens of its own document. Padding tokens (attention_mask == 0) are one-token documents, so no
+query row is ever fully masked (SDPA would return NaN for it) and real tokens never see them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelArgs
+from .kv_cache import CacheBatch, KVCache
+from .norm import RMSNorm
+from .rope import apply_rope
+
+
+@dataclass(frozen=True)
+class AttnInputs:
+    """How every layer of one forward attends. Exactly one of: nothing (causal), `mask`, `block_mask`, `cache`."""
+
+    mask: torch.Tensor | None = None  # bool [B, 1, S, S], True where a query may attend a key
+    block_mask: Any = None  # flex_attention BlockMask
+    cache: KVCache | None = None
+    cache_batch: CacheBatch | None = None
+
+
+def document_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Document index `[B, S]` per token: new where positions restart; padding tokens get a document each."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if attention_mask is not None:
+        pad = attention_mask == 0
+        starts = starts | pad
+        starts[:, 1:] |= pad[:, :-1]
+    return starts.long().cumsum(dim=1)
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal boolean mask `[B, 1, S, S]` from document ids."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flex_block_mask(documents: torch.Tensor) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (q >= kv) & (documents[b, q] == documents[b, kv])
+
+    batch, seq = documents.shape
+    return create_block_mask(mask_mod, batch, None, seq, seq, device=documents.device)
+
+
+def attention_inputs(
+    backend: str, device: torch.device, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> AttnInputs:
+    """Pick the path for a training/scoring forward.
+
+    No positions and no padding: plain causal SDPA. Otherwise documents: `flex` (GPU; no CPU backward), `sdpa`
+    with an explicit mask (works everywhere), or `auto` = flex on CUDA when available, else SDPA.
+    """
+    if position_ids is None and attention_mask is None:
+        return AttnInputs()
+    if position_ids is None:
+        position_ids = torch.arange(attention_mask.shape[1], device=device).expand(attention_mask.shape[0], -1)
+    documents = document_ids(position_ids, attention_mask)
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" and flex_available() else "sdpa"
+    if backend == "flex":
+        return AttnInputs(block_mask=_flex_block_mask(documents))
+    return AttnInputs(mask=document_mask(documents))
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA over `[B, H, S, D]` with GQA; causal when `mask` is None.
+
+    With an explicit mask on CUDA the fused kernels do not take GQA, so K/V heads are repeated there instead.
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if q.is_cuda and k.shape[1] != q.shape[1]:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: CacheBatch, layer: int, scale: float
+) -> torch.Tensor:
+    """Packed new tokens `[T, H, D]`: write their K/V, then attend per sequence to everything cached so far."""
+    cache.write(layer, batch, k, v)
+    keys, values = cache.read(layer, batch)  # [N, max_kv, Hkv, D]
+    queries = q[batch.unpack_index]  # [N, max_new, Hq, D]
+    out = sdpa(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), batch.mask, scale)
+    return out.transpose(1, 2).flatten(0, 1)[batch.pack_index]
+
+
+class Attention(nn.Module):
+    """GQA attention with fused QKV (`qkv_proj` rows: q heads, then k heads, then v heads) and optional qk-norm."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx, self.head_dim = layer_idx, args.head_dim
+        self.sizes = (
+            args.num_heads * args.head_dim,
+            args.num_kv_heads * args.head_dim,
+            args.num_kv_heads * args.head_dim,
+        )
+        self.scale = args.head_dim**-0.5
+        self.qkv_proj = nn.Linear(args.hidden_size, sum(self.sizes), bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.sizes[0], args.hidden_size, bias=args.attention_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
+        """`x` `[B, S, hidden]`, cos/sin `[B, S, head_dim]` -> `[B, S, hidden]` (cache path: B == 1, packed)."""
+        batch, seq, _ = x.shape
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, cos, sin)
+        if attn.cache is not None and attn.cache_batch is not None:
+            out = cached_attention(q[0], k[0], v[0], attn.cache, attn.cache_batch, self.layer_idx, self.scale)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if attn.block_mask is not None:
+                out = _flex(q, k, v, attn.block_mask, self.scale)
+            else:
+                out = sdpa(q, k, v, attn.mask, self.scale)
+            out = out.transpose(1, 2)
+        return self.o_proj(out.reshape(batch, seq, -1))

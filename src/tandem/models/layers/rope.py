@@ -1,0 +1,110 @@
+"""Rotary position embeddings: one frequency table, one cos/sin function, one `apply_rope` for every attention path.
+
+Frequencies and angles are computed in fp32 and cos/sin cast to the activation dtype afterwards, as Hugging Face
+does, so training, packed, and cached inference all rotate q and k identically.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import RopeArgs
+
+
+def inv_frequencies(rope: RopeArgs, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[head_dim // 2]` (fp32) and the cos/sin scale for the configured RoPE scaling type."""
+    powers = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / powers
+    if rope.type == "default":
+        return inv_freq, 1.0
+    if rope.type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.type == "llama3":
+        return _llama3(inv_freq, rope), 1.0
+    if rope.type == "yarn":
+        return _yarn(powers, rope, head_dim)
+    raise ValueError(f"unsupported rope type {rope.type!r}")
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between."""
+    old_len = rope.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / rope.low_freq_factor, old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(powers: torch.Tensor, rope: RopeArgs, head_dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN: blend interpolated and extrapolated frequencies by a linear ramp over dimensions; scale cos/sin."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            attention_factor = mscale(rope.factor)
+
+    def correction_dim(rotations: float) -> float:
+        original = rope.original_max_position_embeddings
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    interpolated, extrapolated = 1.0 / (rope.factor * powers), 1.0 / powers
+    blended = interpolated * (1 - extrapolation) + extrapolated * extrapolation
+    return blended, float(attention_factor)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[*positions.shape, head_dim]` for integer positions, computed in fp32 then cast to `dtype`."""
+    angles = positions[..., None].float() * inv_freq.float()
+    angles = torch.cat((angles, angles), dim=-1)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[..., S, Hq, D]` and k `[..., S, Hkv, D]` by cos/sin `[..., S, D]` (broadcast over heads)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the frequency table as a non-persistent buffer (never in checkpoints) and produces cos/sin."""
+
+    def __init__(self, rope: RopeArgs, head_dim: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim = rope, head_dim
+        inv_freq, self.scale = inv_frequencies(rope, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the table on `device` (after building on `meta` and materialising)."""
+        self.inv_freq = inv_frequencies(self.rope, self.head_dim)[0].to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.inv_freq, self.scale, dtype)

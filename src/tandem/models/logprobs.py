@@ -1,0 +1,179 @@
+"""Per-token logprobs, entropy and cross-entropy from final hidden states, chunked over tokens.
+
+`[tokens, vocab]` logits are the largest tensor of a training step (4k tokens x 152k vocab in fp32 is 2.5 GB,
+and autograd keeps several). Here at most one chunk of logits exists at a time, in forward and in backward:
+the custom autograd function saves only the inputs and one log-sum-exp (and entropy) per token, and the backward
+recomputes each chunk's logits. Logits are computed like Hugging Face does (matmul in the model dtype, then fp32),
+divided by the temperature, optionally restricted to a kept-token set (the tokens top-k/top-p sampling could
+have drawn), and normalised over what remains.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+DEFAULT_CHUNK_SIZE = 1024
+IGNORE_INDEX = -100
+
+
+class TokenLogprobs(NamedTuple):
+    logprobs: torch.Tensor  # fp32, shape of targets; 0 where the target is ignore_index
+    entropy: torch.Tensor | None  # fp32 entropy of the (tempered, renormalised) distribution, or None
+
+
+def _keep_mask(kept_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bool `[rows, vocab]` from kept ids `[rows, K]` padded with -1; a row with no ids keeps the whole vocab."""
+    padded = kept_ids.masked_fill(kept_ids < 0, vocab)
+    keep = torch.zeros(kept_ids.shape[0], vocab + 1, dtype=torch.bool, device=kept_ids.device)
+    keep = keep.scatter_(1, padded, True)[:, :vocab]
+    return keep | (kept_ids < 0).all(dim=1, keepdim=True)
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, kept_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """Log-probabilities `[rows, vocab]` in fp32, -inf outside the kept set."""
+    z = (hidden @ weight.T).float()
+    z = z.div_(temperature[:, None])
+    if kept_ids is not None:
+        z = z.masked_fill_(~_keep_mask(kept_ids, weight.shape[0]), float("-inf"))
+    return z.sub_(z.logsumexp(dim=-1, keepdim=True))
+
+
+# Entries whose probability underflows to exactly 0 (everything below about -104, and -inf outside the kept set)
+# are clamped here so that `p * logp` is 0 instead of NaN; their contribution is 0 either way.
+_LOGP_FLOOR = -1e4
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: torch.Tensor,
+        kept_ids: torch.Tensor | None,
+        chunk_size: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = hidden.shape[0]
+        valid = targets != IGNORE_INDEX
+        safe_targets = targets.masked_fill(~valid, 0)
+        logprobs = hidden.new_zeros(rows, dtype=torch.float32)
+        entropy = hidden.new_zeros(rows, dtype=torch.float32)
+        for s in range(0, rows, chunk_size):
+            e = min(s + chunk_size, rows)
+            kept = kept_ids[s:e] if kept_ids is not None else None
+            logp = _chunk_logprobs(hidden[s:e], weight, temperature[s:e], kept)
+            logprobs[s:e] = logp.gather(1, safe_targets[s:e, None]).squeeze(1)
+            if with_entropy:
+                probs = logp.exp()
+                entropy[s:e] = -(probs * logp.clamp_min_(_LOGP_FLOOR)).sum(dim=-1)
+        logprobs = logprobs.masked_fill_(~valid, 0.0)
+        ctx.save_for_backward(hidden, weight, safe_targets, valid, temperature, kept_ids, entropy)
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets, valid, temperature, kept_ids, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        if grad_logprobs is None and grad_entropy is None:
+            return grad_hidden, grad_weight, None, None, None, None, None
+        rows, chunk_size = hidden.shape[0], ctx.chunk_size
+        for s in range(0, rows, chunk_size):
+            e = min(s + chunk_size, rows)
+            kept = kept_ids[s:e] if kept_ids is not None else None
+            logp = _chunk_logprobs(hidden[s:e], weight, temperature[s:e], kept)
+            probs = logp.exp()
+            # grad_z = g_logprob * (onehot(target) - p) + g_entropy * (-p * (logp + entropy))
+            if grad_entropy is not None:
+                logp = logp.clamp_min_(_LOGP_FLOOR).add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None])
+            else:
+                logp = logp.zero_()
+            g_lp = grad_logprobs[s:e] * valid[s:e] if grad_logprobs is not None else torch.zeros_like(entropy[s:e])
+            grad_z = probs.mul_(logp.add_(g_lp[:, None])).neg_()
+            grad_z = grad_z.scatter_add_(1, targets[s:e, None], g_lp[:, None])
+            grad_z = grad_z.div_(temperature[s:e, None])
+            if grad_hidden is not None:
+                grad_hidden[s:e] = grad_z.to(hidden.dtype) @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.T, hidden[s:e].float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    kept_ids: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = True,
+) -> TokenLogprobs:
+    """Logprob of each target under `softmax((hidden @ weight.T) / temperature)`, chunked; differentiable.
+
+    hidden `[..., H]`, weight `[V, H]`, targets `[...]` (IGNORE_INDEX = -100 gives logprob 0 and no gradient).
+    temperature: a float or a tensor broadcastable to `targets` (e.g. one per sample, shape `[B, 1]`).
+    kept_ids `[..., K]`: per token, the ids sampling could draw (padded with -1; all -1 = whole vocabulary);
+    the distribution is renormalised over them, and a target outside its set gets logprob -inf.
+    """
+    shape = targets.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    temps = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device).expand(shape).reshape(-1)
+    kept = kept_ids.reshape(flat_hidden.shape[0], -1) if kept_ids is not None else None
+    logprobs, entropy = _ChunkedLogprobs.apply(
+        flat_hidden, weight, targets.reshape(-1), temps.contiguous(), kept, chunk_size, with_entropy
+    )
+    return TokenLogprobs(logprobs.view(shape), entropy.view(shape) if with_entropy else None)
+
+
+def cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    reduction: str = "mean",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """SFT loss: `-token_logprobs` over non-ignored targets, reduced by `mean` (over valid tokens), `sum` or `none`."""
+    nll = -token_logprobs(hidden, weight, targets, chunk_size=chunk_size, with_entropy=False).logprobs
+    if reduction == "none":
+        return nll
+    if reduction == "sum":
+        return nll.sum()
+    if reduction == "mean":
+        return nll.sum() / (targets != IGNORE_INDEX).sum().clamp_min(1)
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def reference_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    kept_ids: torch.Tensor | None = None,
+) -> TokenLogprobs:
+    """The same quantities computed the plain way, with full logits; the baseline for tests and benchmarks."""
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)
+    logits = (hidden @ weight.T).float() / temperature[..., None]
+    if kept_ids is not None:
+        keep = _keep_mask(kept_ids.reshape(-1, kept_ids.shape[-1]), weight.shape[0]).view(logits.shape)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    logp = logits.log_softmax(dim=-1)
+    valid = targets != IGNORE_INDEX
+    picked = logp.gather(-1, targets.masked_fill(~valid, 0)[..., None]).squeeze(-1)
+    entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(dim=-1)
+    return TokenLogprobs(picked.masked_fill(~valid, 0.0), entropy)

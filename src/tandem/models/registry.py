@@ -1,0 +1,29 @@
+"""HF architecture name -> `Architecture`. Adding a family: one file under `models/`, one entry here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from . import llama, qwen3, qwen3_moe
+from .architecture import Architecture
+from .config import ConfigError
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.hf_name: a
+    for a in (
+        qwen3.ARCHITECTURE,
+        llama.ARCHITECTURE,
+        qwen3_moe.ARCHITECTURE,
+    )
+}
+
+
+def get_architecture(hf_config: Mapping[str, Any]) -> Architecture:
+    """The registered architecture for a `config.json` dict, or a ConfigError listing the supported ones."""
+    names = hf_config.get("architectures") or []
+    if len(names) != 1:
+        raise ConfigError(f"config.json must name exactly one architecture, got architectures={names!r}")
+    if names[0] not in ARCHITECTURES:
+        raise ConfigError(f"unsupported architecture {names[0]!r}; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[names[0]]

@@ -1,0 +1,177 @@
+"""Save/load round trips through transformers, sharding, dtypes, meta materialisation, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from tandem.models import (
+    CheckpointError,
+    ConfigError,
+    build_model,
+    hf_tensors,
+    load_model,
+    load_weights,
+    save_model,
+)
+from tandem.testing import tiny_config
+from tandem.testing.tiny import ARCHITECTURES as ARCHS
+
+
+def _disk_tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return out
+
+
+def _hf_load(path, **kw):
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=kw.pop("dtype", torch.float32), output_loading_info=True, **kw
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_dir_round_trips_unchanged(arch, model_dir, tmp_path):
+    """HF dir -> tandem -> save: same keys, shapes and values on disk; transformers loads it with no warnings."""
+    src = model_dir(arch)
+    out = save_model(load_model(src), tmp_path / "saved")
+    original, saved = _disk_tensors(src), _disk_tensors(out)
+    assert sorted(saved) == sorted(original)
+    for key, tensor in original.items():
+        assert saved[key].dtype == tensor.dtype and torch.equal(saved[key], tensor), key
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config == json.loads((src / "config.json").read_text())
+    reloaded = _hf_load(out)
+    ids = torch.randint(3, 500, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, _hf_load(src)(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tandem_model_round_trips_through_transformers(arch, tmp_path):
+    """Random tandem model -> save -> transformers (same logits) -> save_pretrained -> tandem (same weights)."""
+    model = build_model(tiny_config(arch, initializer_range=0.1), seed=0).eval()
+    save_model(model, tmp_path / "ours")
+    hf = _hf_load(tmp_path / "ours", attn_implementation="eager")
+    ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(ids) - hf(ids).logits).abs().max().item()
+    assert diff < 1e-4
+    hf.save_pretrained(tmp_path / "theirs")
+    back = load_model(tmp_path / "theirs")
+    expected = model.state_dict()
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_sharded_save_writes_index_and_loads_both_ways(model_dir, tmp_path):
+    src = model_dir("qwen3_moe")
+    model = load_model(src)
+    out = save_model(model, tmp_path / "sharded", max_shard_size="100KB")
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in hf_tensors(model))
+    _hf_load(out)
+    back = load_model(out)
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+def test_bf16_save_and_load(model_dir, tmp_path):
+    model = load_model(model_dir("llama"))
+    out = save_model(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert {t.dtype for t in _disk_tensors(out).values()} == {torch.bfloat16}
+    back = load_model(out)
+    assert back.embed_tokens.weight.dtype == torch.bfloat16
+    hf = _hf_load(out, dtype=torch.bfloat16)
+    torch.testing.assert_close(hf.model.embed_tokens.weight, back.embed_tokens.weight, atol=0, rtol=0)
+    fp32 = load_model(out, dtype=torch.float32)
+    assert fp32.lm_head.weight.dtype == torch.float32
+
+
+def test_save_replaces_existing_dir_atomically(model_dir, tmp_path):
+    model = load_model(model_dir("qwen3"))
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "stale.txt").write_text("old")
+    save_model(model, target)
+    assert not (target / "stale.txt").exists() and (target / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp or backup dirs left
+
+
+def test_meta_build_then_materialise(model_dir):
+    path = model_dir("qwen3_moe")
+    meta = load_model(path, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    load_weights(meta, path)
+    eager = load_model(path)
+    ids = torch.randint(3, 500, (1, 6))
+    torch.testing.assert_close(meta(ids), eager(ids), atol=0, rtol=0)
+    assert all(p.is_meta for p in build_model(tiny_config("llama"), device="meta").parameters())
+
+
+def test_stacked_experts_checkpoint_loads(model_dir, tmp_path):
+    """A checkpoint that stores experts stacked (transformers' in-memory layout) loads to the same model."""
+    src = model_dir("qwen3_moe")
+    tensors = _disk_tensors(src)
+    stacked = {}
+    for key, tensor in tensors.items():
+        if ".mlp.experts." not in key:
+            stacked[key] = tensor
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate_up = [
+            torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]]) for e in range(4)
+        ]
+        stacked[f"{p}.gate_up_proj"] = torch.stack(gate_up)
+        stacked[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    out = tmp_path / "stacked"
+    out.mkdir()
+    shutil.copy(src / "config.json", out / "config.json")
+    save_file(stacked, out / "model.safetensors")
+    ids = torch.randint(3, 500, (1, 7))
+    torch.testing.assert_close(load_model(out)(ids), load_model(src)(ids), atol=0, rtol=0)
+
+
+def test_missing_and_unexpected_weights_are_named(model_dir, tmp_path):
+    src = model_dir("llama")
+    tensors = _disk_tensors(src)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    tensors["model.layers.1.extra.weight"] = torch.zeros(1)
+    (tmp_path / "bad").mkdir()
+    shutil.copy(src / "config.json", tmp_path / "bad" / "config.json")
+    save_file(tensors, tmp_path / "bad" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"1 missing: model\.layers\.1\.self_attn\.k_proj\.weight.*extra"):
+        load_model(tmp_path / "bad")
+    (tmp_path / "bad" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing weights"):
+        load_model(tmp_path / "bad")
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        build_model({**tiny_config("llama"), "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ConfigError, match="missing required key 'hidden_size'"):
+        build_model({k: v for k, v in tiny_config("qwen3").items() if k != "hidden_size"})
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"):
+        build_model(tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="sliding-window"):
+        build_model(tiny_config("qwen3", use_sliding_window=True))
+    with pytest.raises(TypeError, match="unknown runtime options"):
+        build_model(tiny_config("qwen3"), vocab_size=3)

@@ -1,0 +1,101 @@
+"""MoE: backends agree in outputs and gradients; the grouped_mm fallback is logged; frozen routers get no grad."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tandem.models import load_model
+from tandem.models.layers import moe as moe_module
+from tandem.models.layers.moe import MoE, route
+
+
+def _moe(backend: str, freeze_router: bool = False, seed: int = 0) -> MoE:
+    layer = MoE(64, 32, num_experts=8, top_k=2, norm_topk_prob=True, backend=backend, freeze_router=freeze_router)
+    g = torch.Generator().manual_seed(seed)
+    for p in layer.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    return layer
+
+
+def _run(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    x = x.clone().requires_grad_(True)
+    out = layer(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    grads["x"] = x.grad
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("tokens", [3, 40])  # 3 tokens x top-2 leaves most of the 8 experts empty
+def test_grouped_mm_matches_loop(tokens):
+    x = torch.randn(2, tokens, 64, generator=torch.Generator().manual_seed(1))
+    out_loop, grads_loop = _run(_moe("loop"), x)
+    out_gmm, grads_gmm = _run(_moe("grouped_mm"), x)
+    torch.testing.assert_close(out_gmm, out_loop, atol=1e-5, rtol=1e-5)
+    for name, grad in grads_loop.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads_gmm[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_grouped_mm_fallback_matches_and_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(moe_module, "_grouped_mm_unsupported", lambda a, b: "forced by test")
+    moe_module._warn_fallback.cache_clear()
+    x = torch.randn(1, 17, 64, generator=torch.Generator().manual_seed(2))
+    with caplog.at_level(logging.WARNING, logger=moe_module.__name__):
+        out_fallback, grads_fallback = _run(_moe("grouped_mm"), x)
+        _run(_moe("grouped_mm"), x)
+    out_loop, grads_loop = _run(_moe("loop"), x)
+    torch.testing.assert_close(out_fallback, out_loop, atol=1e-5, rtol=1e-5)
+    for name, grad in grads_loop.items():
+        torch.testing.assert_close(grads_fallback[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    warnings = [r for r in caplog.records if "falls back" in r.getMessage()]
+    assert len(warnings) == 1 and "forced by test" in warnings[0].getMessage()
+
+
+def test_grouped_mm_unsupported_reasons():
+    a, b = torch.zeros(4, 6), torch.zeros(2, 6, 8)
+    assert "16 bytes" in moe_module._grouped_mm_unsupported(a, b)
+    assert moe_module._grouped_mm_unsupported(torch.zeros(4, 8), torch.zeros(2, 8, 8)) is None
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+def test_frozen_router_gets_no_gradient(backend):
+    x = torch.randn(1, 20, 64, generator=torch.Generator().manual_seed(3))
+    out_frozen, grads = _run(_moe(backend, freeze_router=True), x)
+    out_free, _ = _run(_moe(backend, freeze_router=False), x)
+    assert grads["router.weight"] is None
+    assert grads["experts.gate_up_proj"] is not None and grads["x"] is not None
+    torch.testing.assert_close(out_frozen, out_free)  # freezing changes gradients only
+
+
+def test_routing_is_fp32_softmax_topk():
+    logits = torch.randn(5, 8, dtype=torch.bfloat16)
+    weights, experts = route(logits, top_k=2, norm_topk_prob=True)
+    probs = logits.float().softmax(-1)
+    top, idx = probs.topk(2, dim=-1)
+    assert weights.dtype == torch.bfloat16 and torch.equal(experts, idx)
+    torch.testing.assert_close(weights, (top / top.sum(-1, keepdim=True)).bfloat16())
+
+
+def test_full_model_backends_agree_per_layer(model_dir):
+    path = model_dir("qwen3_moe")
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(4))
+    results = []
+    for backend in ("loop", "grouped_mm", ["grouped_mm", "loop"]):
+        model = load_model(path, moe_backend=backend)
+        logits = model(ids)
+        logits.logsumexp(-1).sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert [layer.mlp.backend for layer in model.layers] == ["grouped_mm", "loop"]
+    for logits, grads in results[1:]:
+        torch.testing.assert_close(logits, results[0][0], atol=1e-5, rtol=1e-5)
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_unknown_backend_is_an_error():
+    with pytest.raises(ValueError, match="unknown MoE backend 'triton'"):
+        MoE(64, 32, 4, 2, True, backend="triton")
