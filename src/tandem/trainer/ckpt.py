@@ -28,12 +28,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tandem.config.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ConfigError):
     """A checkpoint that is missing or unusable; the message names the directory."""
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tandem.config.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,7 +30,7 @@ class BadRow(ValueError):
         super().__init__(f"{reason} ({detail})" if detail else reason)
 
 
-class DatasetError(ValueError):
+class DatasetError(ConfigError):
     """The dataset as a whole is unusable (missing, or bad rows with `on_bad_row = "fail"`)."""
 
 

@@ -37,6 +37,10 @@ def init_distributed(timeout_s: float = 600.0) -> World:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    else:
+        # Adam updates drive tiny weights into denormal floats, which are ~50x slower on x86 CPUs:
+        # a 24-step CPU run went from 0.04 s to 1.8 s per step. Flushing them to zero costs nothing.
+        torch.set_flush_denormal(True)
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
