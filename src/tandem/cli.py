@@ -24,6 +24,8 @@ class Command:
     """`module:function` taking the resolved config and returning an exit code; None while not built."""
     issue: int | None = None
     """The issue that builds it, named in the 'not built yet' message."""
+    positional: str | None = None
+    """Dotted key a leading positional argument sets: `tandem eval gsm8k` is `tandem eval --env.id gsm8k`."""
 
     def config_class(self) -> type[BaseModel]:
         return _resolve(self.config)
@@ -52,7 +54,8 @@ COMMANDS = {
             "eval",
             "Evaluate environments against an OpenAI-compatible server.",
             "tandem.config.eval:EvalConfig",
-            issue=6,
+            "tandem.eval.main:run_eval",
+            positional="env.id",
         ),
         Command(
             "inference",
@@ -96,6 +99,8 @@ def overview() -> str:
 
 def run_command(command: Command, argv: list[str]) -> int:
     config_class = command.config_class()
+    if command.positional and argv and not argv[0].startswith(("-", "@")):
+        argv = [f"--{command.positional}", *argv]
     config, command_line = load_config(config_class, argv)
     if command_line.help:
         sys.stdout.write(render_help(command.name, command.summary, config_class))

@@ -1,0 +1,201 @@
+"""An async client for OpenAI-compatible servers: retries by rule, errors by kind, load feedback per attempt.
+
+Nothing here is eval-specific: the orchestrator sends training rollouts
+through the same client (`request` takes any path, e.g. a token-in endpoint).
+Every attempt that says something about the server's load (a success, or a
+timeout / connection error / 5xx / 429) is reported as a `Feedback`, so an
+`AdaptiveLimiter` can follow the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from tandem.config.eval import RetryConfig
+from tandem.eval.concurrency import Feedback
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO, drowning a run's log
+
+QUEUE_DEPTH_HEADER = "x-queue-depth"
+"""Response header a server may set to the number of requests it has waiting (the built-in server does)."""
+
+ErrorKind = Literal["connection", "timeout", "5xx", "429", "status", "protocol"]
+OVERLOAD_KINDS = frozenset({"connection", "timeout", "5xx", "429"})
+"""Failures that mean the server is struggling, as opposed to a bad request ("status") or a bad answer."""
+
+
+class RequestError(Exception):
+    """A request that failed for good, after any retries; `kind` says how."""
+
+    def __init__(
+        self, kind: ErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.retry_after = retry_after
+        self.attempts = 1
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A successful response: its JSON body and what it took to get it."""
+
+    data: Any
+    latency_s: float
+    """Seconds of the successful attempt."""
+    attempts: int
+    queue_depth: int | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    message: dict[str, Any]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ChatCompletion:
+    """One `/v1/chat/completions` response (token counts are 0 when the server reports no usage)."""
+
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    attempts: int
+
+
+def _server_root(base_url: str) -> str:
+    """`http://host:port/v1` and `http://host:port` both name the server; paths below add `/v1` themselves."""
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1")
+
+
+def _header_number(response: httpx.Response, name: str) -> float | None:
+    try:
+        return float(response.headers[name])
+    except (KeyError, ValueError):
+        return None
+
+
+class OpenAIClient:
+    """One connection pool to one server; every request retried by `retries`, bounded by `timeout_s`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        retries: RetryConfig | None = None,
+        on_feedback: Callable[[Feedback], None] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.retries = retries or RetryConfig()
+        self.on_feedback = on_feedback
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=_server_root(base_url),
+            headers=headers,
+            timeout=None,  # asyncio.timeout bounds each whole attempt instead of each phase
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),  # the limiter bounds load
+            transport=transport,
+        )
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Reply:
+        """Send one request, retrying the failures `retries.retry_on` names; raises RequestError."""
+        attempt = 0
+        while True:
+            started = time.monotonic()
+            try:
+                response = await self._attempt(method, path, body)
+                break
+            except RequestError as error:
+                if error.kind in OVERLOAD_KINDS:
+                    self._report(Feedback(started, time.monotonic() - started, overload=error.kind))
+                if attempt == self.retries.max_retries or error.kind not in self.retries.retry_on:
+                    error.attempts = attempt + 1
+                    raise
+                await asyncio.sleep(self._backoff(attempt, error.retry_after))
+                attempt += 1
+        latency = time.monotonic() - started
+        depth = _header_number(response, QUEUE_DEPTH_HEADER)
+        queue_depth = None if depth is None else int(depth)
+        self._report(Feedback(started, latency, queue_depth=queue_depth))
+        try:
+            data = response.json()
+        except ValueError:
+            raise RequestError("protocol", f"{method} {path}: response is not JSON: {response.text[:200]!r}") from None
+        return Reply(data, latency, attempt + 1, queue_depth)
+
+    async def _attempt(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                response = await self._http.request(method, path, json=body)
+        except TimeoutError:
+            raise RequestError("timeout", f"{method} {path}: no response within {self.timeout_s:g}s") from None
+        except httpx.TransportError as error:
+            raise RequestError("connection", f"{method} {path}: {type(error).__name__}: {error}") from None
+        if response.status_code < 400:
+            return response
+        status = response.status_code
+        kind: ErrorKind = "429" if status == 429 else "5xx" if status >= 500 else "status"
+        raise RequestError(
+            kind,
+            f"{method} {path}: HTTP {status}: {response.text[:200]}",
+            status=status,
+            retry_after=_header_number(response, "retry-after"),
+        )
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        policy = self.retries
+        wait = min(policy.max_backoff_s, policy.backoff_s * policy.backoff_factor**attempt) * random.uniform(0.5, 1)
+        return max(wait, min(retry_after or 0.0, policy.max_backoff_s))
+
+    def _report(self, feedback: Feedback) -> None:
+        if self.on_feedback is not None:
+            self.on_feedback(feedback)
+
+    async def models(self) -> list[str]:
+        """Ids of the models the server serves (`GET /v1/models`)."""
+        reply = await self.request("GET", "/v1/models")
+        try:
+            return [model["id"] for model in reply.data["data"]]
+        except (KeyError, TypeError) as error:
+            raise RequestError("protocol", f"GET /v1/models: unexpected body ({error!r})") from None
+
+    async def chat(self, messages: list[dict[str, Any]], **fields: Any) -> ChatCompletion:
+        """`POST /v1/chat/completions` with `messages` and any request fields (model, max_tokens, ...)."""
+        reply = await self.request("POST", "/v1/chat/completions", {"messages": messages, **fields})
+        try:
+            choices = [Choice(c["message"], c.get("finish_reason")) for c in reply.data["choices"]]
+        except (KeyError, TypeError) as error:
+            raise RequestError("protocol", f"POST /v1/chat/completions: unexpected body ({error!r})") from None
+        if not choices:
+            raise RequestError("protocol", "POST /v1/chat/completions: no choices in the response")
+        usage = reply.data.get("usage") or {}
+        return ChatCompletion(
+            choices=choices,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            latency_s=reply.latency_s,
+            attempts=reply.attempts,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> OpenAIClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

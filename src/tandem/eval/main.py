@@ -1,0 +1,133 @@
+"""`tandem eval`: load the sources, find or start a server, run the rollouts still missing, summarise.
+
+Exit codes: 0 when the eval ran (whatever the scores), 1 when a source had
+only errors or the server could not be reached, 2 for config mistakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tandem.config import ConfigError
+from tandem.config.eval import EvalConfig
+from tandem.eval.client import OpenAIClient, RequestError
+from tandem.eval.concurrency import AdaptiveLimiter, AimdController
+from tandem.eval.local_server import ServerStartError, local_server
+from tandem.eval.progress import EvalProgress
+from tandem.eval.resume import resumed_config
+from tandem.eval.runner import Source, load_source, pending_rollouts, run_rollouts
+from tandem.eval.summary import render_table, summarize_source
+from tandem.eval.traces import TraceWriter, read_traces
+from tandem.run import atomic_write_text, prepare_run_dir
+
+logger = logging.getLogger(__name__)
+
+TRACES = "traces.jsonl"
+SUMMARY = "summary.json"
+
+
+def run_eval(config: EvalConfig) -> int:
+    if not config.source:
+        raise ConfigError(
+            "nothing to evaluate: name an environment (`tandem eval gsm8k`), set --env.id, or add [[source]] blocks"
+        )
+    if config.base_url is None and not config.model.name:
+        raise ConfigError("no server to evaluate: give --model DIR (starts the built-in server) or --base-url URL")
+    if config.resume is not None:
+        config = resumed_config(config)
+    elif (config.run_dir / TRACES).exists():
+        raise ConfigError(
+            f"{config.run_dir} already holds an eval: continue it with --resume {config.run_dir}, "
+            "or pick another --run-name"
+        )
+    sources = [load_source(source) for source in config.source]
+    run_dir = prepare_run_dir(config)
+    traces = run_dir / TRACES
+    try:
+        with _server(config, run_dir) as base_url:
+            asyncio.run(_evaluate(config, base_url, sources, traces))
+    except (ServerStartError, RequestError) as error:
+        logger.error("%s", error)
+        return 1
+    return _summarize(run_dir, sources, read_traces(traces))
+
+
+@contextmanager
+def _server(config: EvalConfig, run_dir: Path) -> Iterator[str]:
+    """The server to evaluate against: `base_url`, or the built-in one started for `model.name`."""
+    if config.base_url is not None:
+        yield config.base_url
+        return
+    with local_server(
+        config.model,
+        run_dir=run_dir,
+        seq_len=config.seq_len,
+        log_level=config.log.level,
+        startup_timeout_s=config.startup_timeout_s,
+    ) as url:
+        yield url
+
+
+async def _model_id(client: OpenAIClient, config: EvalConfig) -> str:
+    """`model.name` for a server given by URL; otherwise (or when unset) the first model the server lists."""
+    if config.base_url is not None and config.model.name:
+        return config.model.name
+    served = await client.models()
+    if not served:
+        raise RequestError("protocol", "GET /v1/models lists no model to evaluate")
+    return served[0]
+
+
+async def _evaluate(config: EvalConfig, base_url: str, sources: list[Source], traces: Path) -> None:
+    done = read_traces(traces)
+    todo = pending_rollouts(sources, {record["key"] for record in done})
+    logger.info("%d rollouts to run, %d already in %s", len(todo), len(done), traces)
+    if not todo:
+        return
+    limiter = AdaptiveLimiter(AimdController(config.concurrency))
+    client = OpenAIClient(
+        base_url,
+        api_key=config.api_key,
+        timeout_s=config.env.request_timeout_s,
+        retries=config.env.retries,
+        on_feedback=limiter.record,
+    )
+    async with client:
+        model = await _model_id(client, config)
+        totals = {source.name: source.expected for source in sources}
+        with TraceWriter(traces) as writer, EvalProgress(totals, done, limiter) as progress:
+            await run_rollouts(todo, client, model, limiter, writer, progress.add)
+
+
+def _summarize(run_dir: Path, sources: list[Source], records: list[dict[str, Any]]) -> int:
+    by_source: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        by_source[record["source"]].append(record)
+    summaries = {
+        source.name: summarize_source(
+            by_source[source.name],
+            expected=source.expected,
+            rollouts_per_task=source.config.rollouts_per_task,
+            pass_threshold=source.config.pass_threshold,
+        )
+        for source in sources
+    }
+    render_table(summaries, Console())
+    atomic_write_text(run_dir / SUMMARY, json.dumps({"sources": summaries}, indent=2) + "\n")
+    logger.info("summary: %s", run_dir / SUMMARY)
+    failed = [name for name, s in summaries.items() if s["rollouts"] and s["outcomes"]["error"] == s["rollouts"]]
+    if failed:
+        logger.error(
+            "every rollout of %s failed; the `error` field of %s says why", ", ".join(failed), run_dir / TRACES
+        )
+        return 1
+    return 0

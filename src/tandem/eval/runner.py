@@ -1,0 +1,183 @@
+"""Roll out every (source, task, rollout) through one concurrency limiter, score it, append its trace.
+
+Single- and multi-turn tasksets alike go through `tandem.envs.run_episode`;
+only the `generate` callable is ours (a chat request). A rollout never raises:
+a failure becomes its outcome (`timeout` for a request that ran out of time,
+`error` for anything else) so one bad request cannot stop an eval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.config import ConfigError
+from tandem.config.eval import EvalSourceConfig, SamplingConfig
+from tandem.envs import Message, Task, Taskset, apply_select, load_env, run_episode
+from tandem.eval.client import ChatCompletion, OpenAIClient, RequestError
+from tandem.eval.concurrency import AdaptiveLimiter
+from tandem.eval.traces import TraceWriter, trace_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source ready to run: its config, its taskset and the tasks its `select` picked."""
+
+    config: EvalSourceConfig
+    taskset: Taskset
+    tasks: list[Task]
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def expected(self) -> int:
+        return len(self.tasks) * self.config.rollouts_per_task
+
+
+def load_source(config: EvalSourceConfig) -> Source:
+    """Build the taskset and select its tasks; a problem with either is a config error naming the source."""
+    try:
+        taskset = load_env(config)
+        tasks = apply_select(taskset, config.select)
+    except (ValueError, TypeError, ImportError, OSError) as error:
+        raise ConfigError(f"source {config.name!r}: {error}") from None
+    if not isinstance(tasks, list):
+        raise ConfigError(
+            f"source {config.name!r}: taskset {config.id!r} is infinite; bound it with select.limit "
+            "(or args.num_tasks, or an include range)"
+        )
+    return Source(config, taskset, tasks)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    source: Source
+    task: Task
+    index: int
+
+    @property
+    def key(self) -> str:
+        return trace_key(self.source.name, self.task.id, self.index)
+
+
+def request_fields(sampling: SamplingConfig, rollout: int) -> dict[str, Any]:
+    """The sampling fields of a request for rollout `rollout` of a task (its seed is offset by the index)."""
+    fields: dict[str, Any] = {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+    }
+    if sampling.seed is not None:
+        fields["seed"] = sampling.seed + rollout
+    if sampling.stop:
+        fields["stop"] = sampling.stop
+    return {**fields, **sampling.extra}
+
+
+async def run_rollout(client: OpenAIClient, model: str, rollout: Rollout) -> dict[str, Any]:
+    """Roll out, score and describe one rollout as its trace record."""
+    task, taskset = rollout.task, rollout.source.taskset
+    sampling = request_fields(rollout.source.config.sampling, rollout.index)
+    replies: list[ChatCompletion] = []
+    conversation: list[Message] = task.messages()  # the latest one, kept when a request fails
+
+    async def generate(messages: list[Message]) -> Message:
+        nonlocal conversation
+        conversation = messages
+        reply = await client.chat(messages, model=model, **sampling)
+        replies.append(reply)
+        conversation = [*messages, reply.choices[0].message]
+        return reply.choices[0].message
+
+    started = time.monotonic()
+    reward, metrics, error, attempts = 0.0, {}, None, 0
+    try:
+        episode = await run_episode(taskset, task, generate)
+        completion, outcome = episode.completion, episode.outcome
+        if outcome == "ok" and any(r.choices[0].finish_reason == "length" for r in replies):
+            outcome = "truncated"
+        if outcome != "timeout":
+            reward, metrics = episode.score.reward, episode.score.metrics
+    except RequestError as failure:
+        completion = conversation[len(task.messages()) :]
+        outcome = "timeout" if failure.kind == "timeout" else "error"
+        error, attempts = str(failure), failure.attempts
+    except Exception as failure:  # the environment's step or scoring failed: this rollout only
+        completion = conversation[len(task.messages()) :]
+        outcome, error = "error", f"{type(failure).__name__}: {failure}"
+    return {
+        "key": rollout.key,
+        "source": rollout.source.name,
+        "task": task.model_dump(mode="json", exclude={"prompt"}),
+        "rollout": rollout.index,
+        "prompt": task.messages(),
+        "completion": completion,
+        "reward": reward,
+        "metrics": metrics,
+        "outcome": outcome,
+        "error": error,
+        "tokens": {
+            "prompt": sum(r.prompt_tokens for r in replies),
+            "completion": sum(r.completion_tokens for r in replies),
+        },
+        "latency_s": time.monotonic() - started,
+        "turns": len(replies),
+        "attempts": attempts + sum(r.attempts for r in replies),
+        "model": model,
+        "sampling": sampling,
+        "finished_at": time.time(),
+    }
+
+
+async def run_rollouts(
+    rollouts: list[Rollout],
+    client: OpenAIClient,
+    model: str,
+    limiter: AdaptiveLimiter,
+    writer: TraceWriter,
+    on_record: Callable[[dict[str, Any]], None] = lambda record: None,
+) -> None:
+    """Run `rollouts` with at most `limiter.limit` in flight, appending each trace as it finishes.
+
+    The first error of each source is logged as a warning (later ones at debug level: the summary counts them).
+    """
+    warned: set[str] = set()
+
+    async def one(rollout: Rollout) -> None:
+        concurrency = limiter.limit
+        try:
+            record = await run_rollout(client, model, rollout)
+        finally:
+            limiter.release()
+        record["concurrency"] = concurrency
+        writer.write(record)
+        if record["outcome"] == "error":
+            log = logger.debug if rollout.source.name in warned else logger.warning
+            warned.add(rollout.source.name)
+            name, task_id = rollout.source.name, rollout.task.id
+            log("%s: task %s rollout %d failed: %s", name, task_id, rollout.index, record["error"])
+        on_record(record)
+
+    async with asyncio.TaskGroup() as group:
+        for rollout in rollouts:
+            await limiter.acquire()
+            group.create_task(one(rollout))
+
+
+def pending_rollouts(sources: list[Source], done: set[str]) -> list[Rollout]:
+    """Every rollout of every source whose key is not in `done`, source by source, a task's rollouts together."""
+    everything = (
+        Rollout(source, task, index)
+        for source in sources
+        for task in source.tasks
+        for index in range(source.config.rollouts_per_task)
+    )
+    return [rollout for rollout in everything if rollout.key not in done]

@@ -1,0 +1,110 @@
+"""A deterministic OpenAI-compatible server for eval tests, run by uvicorn in a thread on 127.0.0.1.
+
+It answers `/v1/chat/completions` with `answer(messages)` (cut to `max_tokens`
+words, finish_reason "length"), and can be told to sleep (`delay`), to fail the
+next requests with a status (`fail_next`), to fail every request
+(`status_always`), and to report a queue depth header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tandem.eval.client import QUEUE_DEPTH_HEADER
+
+Messages = list[dict[str, Any]]
+
+
+def echo(messages: Messages) -> str:
+    return str(messages[-1]["content"])
+
+
+class FakeServer:
+    model = "fake-model"
+
+    def __init__(self, answer: Callable[[Messages], str] = echo) -> None:
+        self.answer = answer
+        self.delay: Callable[[Messages], float] = lambda messages: 0.0
+        self.status_always: int | None = None
+        self.queue_depth: int | None = None
+        self.requests: list[dict[str, Any]] = []
+        self._failures: list[int] = []
+        self._lock = threading.Lock()
+        app = Starlette(
+            routes=[
+                Route("/health", lambda request: Response("ok")),
+                Route("/v1/models", self._models),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            ]
+        )
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    def fail_next(self, count: int, status: int = 500) -> None:
+        with self._lock:
+            self._failures.extend([status] * count)
+
+    def start(self) -> FakeServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._socket.close()
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _chat(self, request: Request) -> Response:
+        body = await request.json()
+        messages = body["messages"]
+        with self._lock:
+            self.requests.append(body)
+            status = self._failures.pop(0) if self._failures else self.status_always
+        await asyncio.sleep(self.delay(messages))
+        if status is not None:
+            return JSONResponse({"error": {"message": f"scripted {status}"}}, status_code=status)
+        words = self.answer(messages).split(" ")
+        cut = len(words) > body.get("max_tokens", len(words))
+        text = " ".join(words[: body["max_tokens"]] if cut else words)
+        headers = {} if self.queue_depth is None else {QUEUE_DEPTH_HEADER: str(self.queue_depth)}
+        return JSONResponse(
+            {
+                "id": f"chatcmpl-{len(self.requests)}",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "length" if cut else "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": sum(len(str(m["content"]).split()) for m in messages),
+                    "completion_tokens": len(text.split()),
+                },
+            },
+            headers=headers,
+        )

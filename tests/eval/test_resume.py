@@ -1,0 +1,74 @@
+"""Killing an eval with SIGKILL, then `--resume`: every rollout once; a changed config is refused."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+from tandem.cli import main
+from tandem.eval.traces import read_traces
+
+TASKS, ROLLOUTS = 20, 2
+
+
+def eval_argv(server_url: str) -> list[str]:
+    return [
+        "reverse_text", "--base-url", server_url, "--env.args", f"{{num_tasks = {TASKS}}}",
+        "--env.rollouts-per-task", str(ROLLOUTS), "--concurrency.initial", "2", "--concurrency.max", "2",
+    ]  # fmt: skip
+
+
+def test_kill_9_then_resume_runs_each_rollout_exactly_once(tmp_path, fake_server, capsys):
+    fake_server.delay = lambda messages: 0.05  # 40 rollouts, 2 at a time: about a second of work
+    run_dir = tmp_path / "ev"
+    traces = run_dir / "traces.jsonl"
+    command = [sys.executable, "-m", "tandem", "eval", *eval_argv(fake_server.url)]
+    process = subprocess.Popen(
+        [*command, "--output-dir", str(tmp_path), "--run-name", "ev"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while len(read_traces(traces)) < 6:
+        assert process.poll() is None, process.stderr.read().decode()
+        assert time.monotonic() < deadline, "the eval wrote no traces in 30 s"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=10) == -signal.SIGKILL
+    process.stderr.close()
+    before = read_traces(traces)
+    assert 6 <= len(before) < TASKS * ROLLOUTS
+    with open(traces, "a") as handle:
+        handle.write('{"key": "half-written by a dying writ')  # as if killed mid-line
+
+    time.sleep(0.2)  # let the server finish reading any request the dead process had sent
+    requests_before = len(fake_server.requests)
+    assert main(["eval", *eval_argv(fake_server.url), "--resume", str(run_dir)]) == 0
+    after = read_traces(traces)
+    assert len(fake_server.requests) - requests_before == TASKS * ROLLOUTS - len(before)  # only what was missing
+    assert after[: len(before)] == before
+    counts = Counter((r["source"], r["task"]["id"], r["rollout"]) for r in after)
+    expected = {("reverse_text", f"reverse_text-0-{i}", k) for i in range(TASKS) for k in range(ROLLOUTS)}
+    assert set(counts) == expected and set(counts.values()) == {1}
+    assert len({r["key"] for r in after}) == TASKS * ROLLOUTS
+    assert '"key": "half-written' not in traces.read_text()
+    assert "rollouts" in capsys.readouterr().out
+
+
+def test_resume_refuses_a_changed_config_and_a_fresh_run_refuses_an_old_dir(tmp_path, fake_server, capsys):
+    argv = ["arithmetic", "--base-url", fake_server.url, "--env.args", "{num_tasks = 2}"]
+    assert main(["eval", *argv, "--output-dir", str(tmp_path), "--run-name", "ev"]) == 0
+    capsys.readouterr()
+    run_dir = str(tmp_path / "ev")
+    assert main(["eval", *argv, "--env.sampling.temperature", "0.5", "--resume", run_dir]) == 2
+    err = capsys.readouterr().err
+    assert "the config differs" in err and "source[0].sampling.temperature: 1.0 in the run, 0.5 now" in err
+    assert main(["eval", *argv, "--output-dir", str(tmp_path), "--run-name", "ev"]) == 2
+    assert f"--resume {run_dir}" in capsys.readouterr().err
+    assert main(["eval", *argv, "--resume", str(tmp_path)]) == 2
+    assert "not an eval run directory" in capsys.readouterr().err
+    assert main(["eval", *argv, "--concurrency.max", "9", "--resume", run_dir]) == 0  # how it runs may change
+    assert len(read_traces(tmp_path / "ev" / "traces.jsonl")) == 2
