@@ -52,7 +52,7 @@ COMMANDS = {
         Command("sft", "Supervised fine-tuning on FSDP2.", "tandem.config.sft:SftConfig", "tandem.trainer.sft:launch"),
         Command(
             "eval",
-            "Evaluate environments against an OpenAI-compatible server.",
+            "Evaluate environments (`tandem eval ENV` or `@ sources.toml`) against an OpenAI-compatible server.",
             "tandem.config.eval:EvalConfig",
             "tandem.eval.main:run_eval",
             positional="env.id",

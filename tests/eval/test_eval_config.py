@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_an_infinite_source_must_be_bounded():
 
 def test_differences_name_every_key_except_how_the_eval_runs(tmp_path):
     saved = load(tmp_path, SOURCES)
-    same = load(tmp_path, SOURCES, "--run-name", "other", "--concurrency.max", "8", "--log.level", "debug")
+    same = load(tmp_path, SOURCES, "--run-name", "other", "--concurrency.max", "8", "--env.retries.max-retries", "9")
     assert config_differences(saved, same) == []
     changed = load(tmp_path, SOURCES, "--env.sampling.temperature", "0.2", "--model", "other-model")
     assert config_differences(saved, changed) == [
@@ -104,3 +105,11 @@ def test_differences_name_every_key_except_how_the_eval_runs(tmp_path):
         "model.name: '' in the run, 'other-model' now",
         "source[0].sampling.temperature: 0.7 in the run, 0.2 now",
     ]
+
+
+def test_the_example_config_loads():
+    example = Path(__file__).resolve().parents[2] / "examples" / "eval" / "gsm8k.toml"
+    config = load_config(EvalConfig, ["@", str(example)])[0]
+    assert [s.name for s in config.source] == ["gsm8k", "arithmetic-greedy"]
+    assert [s.rollouts_per_task for s in config.source] == [4, 1]
+    assert config.source[1].sampling.top_p == 0.95  # from [env], under the source's own temperature

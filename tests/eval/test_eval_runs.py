@@ -172,3 +172,11 @@ def test_a_multi_turn_env_runs_through_the_same_loop(tmp_path, fake_server):
     assert all(r["outcome"] == "ok" and r["metrics"]["solved"] == 1.0 for r in records)
     assert all(r["turns"] == len(r["completion"]) // 2 + 1 == r["metrics"]["guesses"] for r in records)
     assert summaries(run_dir)["guess_number"]["pass_at_k"] == {"1": 1.0}
+
+
+def test_an_unreachable_server_fails_the_eval(tmp_path, fake_server):
+    fake_server.stop()
+    code, run_dir = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 1}",
+                             "--env.retries.max-retries", "0")  # fmt: skip
+    assert code == 1
+    assert "GET /v1/models: ConnectError" in (run_dir / "logs" / "eval.log").read_text()

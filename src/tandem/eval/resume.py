@@ -14,14 +14,18 @@ from tandem.config import ConfigError, load_file
 from tandem.config.eval import EvalConfig
 from tandem.config.schema import kebab
 
-IGNORED = ("run_name", "output_dir", "resume", "log", "concurrency", "api_key")
-"""Top-level keys that may change between a run and its resumption."""
+IGNORED = ("run-name", "output-dir", "resume", "log", "concurrency", "api-key", "startup-timeout-s", "env.retries")
+"""Keys (and the sections below them) that may change between a run and its resumption."""
 
 _MISSING = object()
 
 
 def _show(value: Any) -> str:
     return "unset" if value is _MISSING else repr(value)
+
+
+def _ignored(key: str) -> bool:
+    return any(key == prefix or key.startswith(f"{prefix}.") for prefix in IGNORED)
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
@@ -38,11 +42,8 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
 
 def config_differences(saved: EvalConfig, current: EvalConfig) -> list[str]:
     """`key: <saved> in the run, <current> now` for every compared key that differs."""
-    flat = [
-        _flatten({k: v for k, v in config.model_dump(mode="json").items() if k not in IGNORED}, "", {})
-        for config in (saved, current)
-    ]
-    keys = sorted(flat[0].keys() | flat[1].keys())
+    flat = [_flatten(config.model_dump(mode="json"), "", {}) for config in (saved, current)]
+    keys = sorted(key for key in flat[0].keys() | flat[1].keys() if not _ignored(key))
     pairs = [(key, flat[0].get(key, _MISSING), flat[1].get(key, _MISSING)) for key in keys]
     return [f"{key}: {_show(old)} in the run, {_show(new)} now" for key, old, new in pairs if old != new]
 
