@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import read_metrics, run_sft, sft_command
+from sft_runner import read_metrics, run_sft, sft_command
 
 
 def common_flags(model_dir, data, out, run_name):

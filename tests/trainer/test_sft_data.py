@@ -87,7 +87,11 @@ def test_bad_rows_skip_and_count_or_fail_with_row_number(tokenizer, tmp_path):
 
 
 def test_packing_restarts_positions_and_keeps_targets_inside_documents():
-    samples = [Sample([1, 2, 3], [False, True, True]), Sample([4, 5], [False, True]), Sample([6, 7, 8, 9], [False] + [True] * 3)]
+    samples = [
+        Sample([1, 2, 3], [False, True, True]),
+        Sample([4, 5], [False, True]),
+        Sample([6, 7, 8, 9], [False] + [True] * 3),
+    ]
     rows = pack(samples, seq_len=6, pad_id=0)
     assert len(rows) == 2
     first = rows[0]

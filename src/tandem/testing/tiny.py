@@ -44,7 +44,7 @@ def _corpus(seed: int = 0, n_lines: int = 2000) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def _trained_tokenizer_json(vocab_size: int, corpus: tuple[str, ...] | None) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -56,22 +56,22 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer)
+    tokenizer.train_from_iterator(corpus or _corpus(), trainer)
     return tokenizer.to_str()
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE `tokenizers.Tokenizer` trained in-process (cached per size)."""
+def build_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | None = None):
+    """A byte-level BPE `tokenizers.Tokenizer` trained in-process on `corpus` (default: a synthetic one)."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size, corpus))
 
 
-def write_tokenizer(path: str | Path, vocab_size: int = 512) -> int:
+def write_tokenizer(path: str | Path, vocab_size: int = 512, corpus: tuple[str, ...] | None = None) -> int:
     """Write `tokenizer.json` and `tokenizer_config.json` (with a chat template); return the vocab size."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, corpus)
     tokenizer.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
