@@ -103,3 +103,19 @@ def test_hf_export_loads_in_transformers_with_the_trained_weights(tiny_model_dir
         expected = reference(ids).logits
         torch.testing.assert_close(trained(ids), expected, rtol=0, atol=1e-4)
         assert not torch.allclose(before(ids), expected, atol=1e-4)  # training changed the model
+
+
+def test_activation_checkpointing_and_compile_do_not_change_the_numbers(tiny_model_dir, reverse_text_jsonl, tmp_path):
+    model_dir = tiny_model_dir("qwen3")
+    variants = {
+        "plain": [],
+        "full_ac": ["--activation-checkpointing", "full"],
+        "selective_ac": ["--activation-checkpointing", "selective", "--ckpt.interval", "1"],
+        "compiled": ["--compile"],
+    }
+    losses = {}
+    for name, flags in variants.items():
+        run_sft(*common_flags(model_dir, reverse_text_jsonl, tmp_path, name), "--max-steps", "2", *flags)
+        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name)]
+    for name, values in losses.items():
+        assert values == pytest.approx(losses["plain"], rel=1e-5), name
