@@ -94,8 +94,9 @@ async def run_rollout(client: OpenAIClient, model: str, rollout: Rollout) -> dic
         conversation = messages
         reply = await client.chat(messages, model=model, **sampling)
         replies.append(reply)
-        conversation = [*messages, reply.choices[0].message]
-        return reply.choices[0].message
+        message = {key: value for key, value in reply.choices[0].message.items() if value is not None}
+        conversation = [*messages, message]
+        return message
 
     started = time.monotonic()
     reward, metrics, error, attempts = 0.0, {}, None, 0
