@@ -25,9 +25,7 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in BF16_PEAK_FLOPS.items() if key in name), None)
 
 
-def flops_per_token(
-    non_embedding_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int
-) -> float:
+def flops_per_token(non_embedding_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int) -> float:
     """Training FLOPs per token as torchtitan counts them: 6·N plus 12·L·H·D·S for attention.
 
     N counts non-embedding parameters (for MoE, only the experts a token is routed to); the

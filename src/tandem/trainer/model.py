@@ -52,7 +52,9 @@ def active_params(model: torch.nn.Module, args: ModelArgs) -> int:
 def build_training_model(config, world: World) -> tuple[torch.nn.Module, ModelInfo]:
     """fp32 master weights on the device, blocks wrapped for AC and compile, then fully_shard."""
     if not config.model.name:
-        raise ConfigError("set model.name to a Hugging Face model directory (config.json, and weights unless random_init)")
+        raise ConfigError(
+            "set model.name to a Hugging Face model directory (config.json, and weights unless random_init)"
+        )
     source = Path(config.model.name)
     runtime = runtime_options(config.model)
     if config.random_init:
