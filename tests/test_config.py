@@ -208,5 +208,14 @@ def test_model_shorthand_is_the_model_name(tmp_path):
 def test_model_shorthand_then_model_flags_merge():
     config, _ = load_config(SftConfig, ["--model", "dir", "--model.dtype", "float32"])
     assert config.model.name == "dir" and config.model.dtype == "float32"
-    with pytest.raises(ConfigError, match=r"invalid value '3' \(from flag --optim\)"):
+    with pytest.raises(ConfigError, match=r"invalid value for `optim` = '3' \(from flag --optim\)"):
         load_config(SftConfig, ["--optim", "3"])
+
+
+def test_keys_inside_free_form_tables_parse_as_toml_literals():
+    from tandem.config.eval import EvalConfig
+
+    flags = ["--env.id", "arithmetic", "--env.args.num-tasks", "5", "--env.args.path", "data.jsonl"]
+    config, _ = load_config(EvalConfig, [*flags, "--env.args.flag", "true", "--env.select.include", "0:10"])
+    assert config.env.args == {"num_tasks": 5, "path": "data.jsonl", "flag": True}
+    assert config.env.select.include is not None  # a field-level shorthand still reaches its validator

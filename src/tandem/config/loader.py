@@ -87,7 +87,7 @@ def _checked(
             dotted = ".".join(kebab(str(part)) for part in key_path)
             raise ConfigError(f"unknown key `{dotted}`{suggest(key, error.valid, key_prefix)} in {where}") from None
         source.origin[key_path] = where
-        value = _shorthand_to_table(kind, value, where)
+        value = _shorthand_to_table(kind, value)
         if kind.model is not None and isinstance(value, dict):
             value = _checked(kind.model, value, source, raw_path, key_path)
         elif kind.list_of_model is not None and isinstance(value, list):
@@ -101,15 +101,16 @@ def _checked(
     return out
 
 
-def _shorthand_to_table(kind: FieldKind, value: Any, where: str) -> Any:
-    """A section given as a scalar (`model = "dir"`) becomes the table its validator makes of it,
-    so a later `--model.dtype` merges into it instead of replacing it."""
+def _shorthand_to_table(kind: FieldKind, value: Any) -> Any:
+    """A section given as a scalar (`model = "dir"`) becomes the table its own validator makes of it,
+    so a later `--model.dtype` merges into it instead of replacing it. Scalars the section does not
+    accept are left for the parent's validators (a field-level shorthand) or the final error."""
     if kind.model is None or isinstance(value, dict):
         return value
     try:
         return kind.model.model_validate(value).model_dump(exclude_unset=True)
-    except ValidationError as error:
-        raise ConfigError(f"invalid value {value!r} (from {where}): {error.errors()[0]['msg']}") from None
+    except ValidationError:
+        return value
 
 
 def _nest(path: list[str], value: Any) -> dict[str, Any]:
@@ -187,11 +188,28 @@ def add_flag(layers: Layers, model: type[BaseModel], flag: str, values: list[str
         value = False
     else:
         value = _flag_value(kind, flag, values)
-    value = _shorthand_to_table(kind, value, f"flag {flag}")
+    value = _shorthand_to_table(kind, value)
     if kind.model is not None and isinstance(value, dict):
         value = _checked(kind.model, value, _Source(f"flag {flag}", layers.origin), (), tuple(path))
+    if kind.is_mapping and isinstance(value, str) and len(path) > _depth_of_mapping(model, path):
+        value = _literal_or_string(value)  # keys inside a free-form table have no declared type
     layers.origin[tuple(path)] = f"flag {flag}"
     layers.data = deep_merge(layers.data, _nest(path, value))
+
+
+def _depth_of_mapping(model: type[BaseModel], path: list[str]) -> int:
+    """Length of the prefix of `path` that names the free-form table it ends in."""
+    for end in range(1, len(path) + 1):
+        if lookup(model, path[:end])[1].is_mapping:
+            return end
+    return len(path)
+
+
+def _literal_or_string(text: str) -> Any:
+    try:
+        return parse_toml_value(text)
+    except ValueError:
+        return text
 
 
 def _negations(path: list[str]) -> list[list[str]]:
