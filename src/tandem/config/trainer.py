@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from tandem.config.base import Section
 from tandem.config.common import OptimConfig, RunConfig, SchedulerConfig
+
+
+class LossConfig(Section):
+    type: Literal["ipo", "icepop", "ppo", "cispo"] = "ipo"
+    """Policy loss: ipo masks tokens by |p - q|, icepop by r = p/q, ppo clips r, cispo clips r's weight."""
+    ipo_eps: float = Field(0.3, gt=0, le=1)
+    """ipo: keep a token iff |p_train - p_infer| <= ipo_eps (both sides, whatever the advantage's sign)."""
+    icepop_low: float = Field(0.2, gt=0)
+    """icepop: mask tokens with r below this."""
+    icepop_high: float = Field(5.0, gt=1)
+    """icepop: mask tokens with r above this."""
+    ppo_clip: float = Field(0.2, gt=0, lt=1)
+    """ppo: clip r to [1 - ppo_clip, 1 + ppo_clip]."""
+    cispo_eps_high: float = Field(0.28, gt=0)
+    """cispo: clip the detached weight r at 1 + cispo_eps_high."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a k3 KL penalty against the inference policy (0: none)."""
 
 
 class TrainerConfig(RunConfig):
@@ -20,3 +38,5 @@ class TrainerConfig(RunConfig):
     """Optimizer."""
     scheduler: SchedulerConfig = SchedulerConfig()
     """Learning-rate schedule."""
+    loss: LossConfig = LossConfig()
+    """Policy loss."""
