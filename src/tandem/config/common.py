@@ -25,8 +25,8 @@ class ModelConfig(Section):
     """Attention kernel: sdpa (any device), flex (GPU; packed documents without a dense mask), or auto."""
     moe_backend: MoeBackend | list[MoeBackend] = "grouped_mm"
     """MoE expert compute, one name for every layer or a list with one per layer."""
-    freeze_router: bool = False
-    """Stop gradients into MoE routers (RL turns this on so expert choices match inference)."""
+    freeze_router: bool | None = None
+    """Stop gradients into MoE routers (default: on in RL, so expert choices match inference; off in SFT)."""
 
     @model_validator(mode="before")
     @classmethod

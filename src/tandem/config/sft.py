@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from tandem.config.base import Section
-from tandem.config.common import OptimConfig, RunConfig, SchedulerConfig
+from tandem.config.training import TrainingRunConfig
 
 
 class SftDataConfig(Section):
@@ -23,74 +23,19 @@ class SftDataConfig(Section):
     """What to do with a row that is malformed, empty or longer than seq_len."""
 
 
-class CheckpointConfig(Section):
-    interval: int = Field(0, ge=0)
-    """Write a full training checkpoint every this many steps (0: only at the end)."""
-    keep: int = Field(2, gt=0)
-    """How many of the newest training checkpoints to keep."""
-    hf_interval: int = Field(0, ge=0)
-    """Also export a Hugging Face checkpoint every this many steps (0: only at the end)."""
-
-
-class ResumeConfig(Section):
-    enabled: bool = False
-    """Resume from a training checkpoint of this run (`--resume`)."""
-    step: int | None = None
-    """Resume from this step's checkpoint instead of the latest (`--resume.step N`)."""
-
-    @model_validator(mode="after")
-    def _step_implies_enabled(self) -> ResumeConfig:
-        if self.step is not None and not self.enabled:
-            self.enabled = True
-        return self
-
-
 class DeployConfig(Section):
     nproc: int = Field(1, gt=0)
     """Trainer processes on this machine; above 1, `tandem sft` launches torchrun itself."""
 
 
-class WandbConfig(Section):
-    enabled: bool = False
-    """Log metrics to Weights & Biases (needs the `wandb` extra)."""
-    project: str = "tandem"
-    """W&B project name."""
-
-
-class SftConfig(RunConfig):
+class SftConfig(TrainingRunConfig):
     command: ClassVar[str] = "sft"
 
-    max_steps: int = Field(100, gt=0)
-    """Optimizer steps to train for."""
     batch_size: int = Field(8, gt=0)
     """Rows of seq_len tokens per optimizer step, across all ranks."""
     micro_batch_size: int = Field(1, gt=0)
     """Rows per forward/backward pass on one rank (gradient accumulation fills the rest)."""
-    seed: int = 0
-    """Seed for initialisation and data order."""
-    random_init: bool = False
-    """Initialise the weights randomly from the model's config.json instead of loading them."""
-    compile: bool = False
-    """torch.compile each decoder block."""
-    fullgraph: bool = True
-    """Compile blocks with fullgraph=True (fail on graph breaks rather than fall back)."""
-    activation_checkpointing: Literal["off", "full", "selective"] = "off"
-    """Recompute activations in backward: every block (full), every other block (selective), or none."""
-    loss_chunk_size: int = Field(1024, gt=0)
-    """Tokens per chunk in the chunked cross-entropy (bounds the logits held in memory)."""
-    log_interval: int = Field(1, gt=0)
-    """Print a log line every this many steps (metrics.jsonl gets every step)."""
     data: SftDataConfig = SftDataConfig()
     """Training data."""
-    optim: OptimConfig = OptimConfig()
-    """Optimizer."""
-    scheduler: SchedulerConfig = SchedulerConfig()
-    """Learning-rate schedule."""
-    ckpt: CheckpointConfig = CheckpointConfig()
-    """Checkpointing."""
-    resume: ResumeConfig = ResumeConfig()
-    """Resuming a killed run."""
     deploy: DeployConfig = DeployConfig()
     """Processes to launch."""
-    wandb: WandbConfig = WandbConfig()
-    """Optional W&B monitoring."""

@@ -7,7 +7,8 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from tandem.config.base import Section
-from tandem.config.common import OptimConfig, RunConfig, SchedulerConfig
+from tandem.config.common import OptimConfig
+from tandem.config.training import TrainingRunConfig
 
 
 class LossConfig(Section):
@@ -27,16 +28,12 @@ class LossConfig(Section):
     """Weight of a k3 KL penalty against the inference policy (0: none)."""
 
 
-class TrainerConfig(RunConfig):
+class TrainerConfig(TrainingRunConfig):
     command: ClassVar[str] = "trainer"
 
-    max_steps: int = Field(100, gt=0)
-    """Optimizer steps to train for."""
-    seed: int = 0
-    """Seed for initialisation."""
     optim: OptimConfig = OptimConfig(lr=1e-6)
     """Optimizer."""
-    scheduler: SchedulerConfig = SchedulerConfig()
-    """Learning-rate schedule."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
+    batch_timeout_s: float = Field(1800.0, gt=0)
+    """Fail if the orchestrator's batch for the next step does not arrive within this time."""

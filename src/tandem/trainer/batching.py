@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import heapq
-
 import torch
 
+from tandem.packing import balance as balance_indices
 from tandem.trainer.data import PackedRow
 
 
@@ -59,27 +58,9 @@ class FakeSteps:
 
 
 def balance(rows: list[PackedRow], world_size: int) -> list[list[PackedRow]]:
-    """Split rows into `world_size` equal-count groups with token totals as even as greedy allows.
-
-    Every rank must run the same number of micro-batches (FSDP collectives), so counts are equal;
-    within that, the longest rows go first to the rank with the fewest tokens.
-    """
-    if len(rows) % world_size:
-        raise ValueError(f"{len(rows)} rows cannot be split evenly over {world_size} ranks")
-    per_rank = len(rows) // world_size
-    groups: list[list[PackedRow]] = [[] for _ in range(world_size)]
-    heap = [(0, rank) for rank in range(world_size)]
-    for row in sorted(rows, key=lambda r: -r.num_real):
-        skipped = []
-        tokens, rank = heapq.heappop(heap)
-        while len(groups[rank]) >= per_rank:
-            skipped.append((tokens, rank))
-            tokens, rank = heapq.heappop(heap)
-        groups[rank].append(row)
-        heapq.heappush(heap, (tokens + row.num_real, rank))
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return groups
+    """Rows split over ranks: equal counts, token totals as even as greedy allows."""
+    groups = balance_indices([row.num_real for row in rows], world_size)
+    return [[rows[i] for i in group] for group in groups]
 
 
 def stack(rows: list[PackedRow], device: torch.device) -> dict[str, torch.Tensor]:

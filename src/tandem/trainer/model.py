@@ -29,12 +29,13 @@ class ModelInfo:
     flops_per_token: float
 
 
-def runtime_options(config: ModelConfig) -> dict:
+def runtime_options(config: ModelConfig, freeze_router_default: bool) -> dict:
     backend = config.moe_backend
+    freeze = config.freeze_router
     return {
         "attn_backend": config.attn_backend,
         "moe_backend": tuple(backend) if isinstance(backend, list) else backend,
-        "freeze_router": config.freeze_router,
+        "freeze_router": freeze_router_default if freeze is None else freeze,
     }
 
 
@@ -56,7 +57,7 @@ def build_training_model(config, world: World) -> tuple[torch.nn.Module, ModelIn
             "set model.name to a Hugging Face model directory (config.json, and weights unless random_init)"
         )
     source = Path(config.model.name)
-    runtime = runtime_options(config.model)
+    runtime = runtime_options(config.model, freeze_router_default=config.command == "trainer")
     if config.random_init:
         model = build_model(source, dtype=torch.float32, device=world.device, seed=config.seed, **runtime)
     else:
