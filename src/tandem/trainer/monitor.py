@@ -34,7 +34,7 @@ class Monitor:
         self.wandb = None
         if world.is_main:
             self.progress = Progress(
-                TextColumn("[bold]sft"),
+                TextColumn(f"[bold]{config.command}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[status]}"),
@@ -43,7 +43,7 @@ class Monitor:
                 console=Console(stderr=True),
                 transient=False,
             )
-            self.task = self.progress.add_task("sft", total=config.max_steps, completed=start_step, status="")
+            self.task = self.progress.add_task(config.command, total=config.max_steps, completed=start_step, status="")
             self.progress.start()
             if config.wandb.enabled:
                 self.wandb = _start_wandb(config)
@@ -54,55 +54,46 @@ class Monitor:
             torch.cuda.reset_peak_memory_stats(self.world.device)
 
     def end_step(
-        self,
-        step: int,
-        loss_sum: torch.Tensor,
-        loss_tokens: int,
-        grad_norm: torch.Tensor,
-        lr: float,
-        real_tokens: int,
+        self, step: int, sums: dict[str, torch.Tensor], values: dict[str, float | torch.Tensor], real_tokens: int
     ) -> None:
-        stats = torch.stack([loss_sum.float(), _full(grad_norm).float().to(loss_sum.device)])
+        """Record a step: `sums` are per-rank partial sums (added over ranks in one all-reduce),
+        `values` are already global (grad norm, LR); `real_tokens` counts non-padding tokens."""
+        names = list(sums)
+        stacked = torch.stack([sums[name].float() for name in names])
         if dist.is_initialized() and self.world.world_size > 1:
-            dist.all_reduce(stats[:1])
+            dist.all_reduce(stacked)
         step_time = self.timer.lap()
         if not self.world.is_main:
             return
         tokens_per_s = real_tokens / step_time
-        record: dict[str, Any] = {
-            "step": step,
-            "loss": float(stats[0]) / loss_tokens,
-            "grad_norm": float(stats[1]),
-            "lr": lr,
-            "loss_tokens": loss_tokens,
-            "tokens": real_tokens,
-            "tokens_per_s": tokens_per_s,
-            "step_time_s": step_time,
-            "mfu": (self.info.flops_per_token * tokens_per_s / (self.peak_flops * self.world.world_size))
+        record: dict[str, Any] = {"step": step, **dict(zip(names, stacked.tolist(), strict=True))}
+        record.update({k: float(_full(v)) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+        record.update(
+            tokens=real_tokens,
+            tokens_per_s=tokens_per_s,
+            step_time_s=step_time,
+            mfu=self.info.flops_per_token * tokens_per_s / (self.peak_flops * self.world.world_size)
             if self.peak_flops
             else None,
-            "peak_memory_gib": peak_memory_gib(self.world.device),
-            "time": time.time(),
-        }
+            peak_memory_gib=peak_memory_gib(self.world.device),
+            time=time.time(),
+        )
         self.writer.write(record)
         if self.wandb is not None:
             self.wandb.log(record, step=step)
-        status = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s"
-        self.progress.update(self.task, completed=step, status=status)
+        self.progress.update(self.task, completed=step, status=f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s")
         if step % self.config.log_interval == 0 or step == self.config.max_steps:
+            shown = "  ".join(f"{k} {record[k]:.4g}" for k in (*names, *values) if isinstance(record[k], float))
             mfu = f"  mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
-            memory = f"  mem {record['peak_memory_gib']:.2f} GiB"
             logger.info(
-                "step %d/%d  loss %.4f  grad_norm %.3f  lr %.2e  %s real tok/s  %.3fs%s%s",
+                "step %d/%d  %s  %s real tok/s  %.3fs  mem %.2f GiB%s",
                 step,
                 self.config.max_steps,
-                record["loss"],
-                record["grad_norm"],
-                lr,
+                shown,
                 f"{tokens_per_s:,.0f}",
                 step_time,
+                record["peak_memory_gib"],
                 mfu,
-                memory,
             )
 
     def close(self) -> None:

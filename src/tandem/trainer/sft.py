@@ -133,7 +133,12 @@ def train(config: SftConfig) -> int:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            monitor.end_step(step + 1, loss_sum, global_loss_tokens, grad_norm, lr, sum(r.num_real for r in batch))
+            monitor.end_step(
+                step + 1,
+                sums={"loss": loss_sum / global_loss_tokens},
+                values={"grad_norm": grad_norm, "lr": lr, "loss_tokens": global_loss_tokens},
+                real_tokens=sum(r.num_real for r in batch),
+            )
             done = step + 1
             if config.ckpt.interval and done % config.ckpt.interval == 0 and done < config.max_steps:
                 ckpt.save_checkpoint(ckpt_root, done, model, optimizer, scheduler, {}, config.ckpt.keep)
