@@ -11,6 +11,9 @@ import torch
 # With HF's default std of 0.02 attention is nearly uniform and some bugs move logits by little; 0.1 makes
 # logits O(1) so a wrong mask, rope or norm changes them by far more than the parity tolerance.
 INIT_STD = 0.1
+# The plain transformers implementations as the reference: eager attention and the per-expert loop (some
+# transformers versions default to a grouped_mm experts kernel that disagrees with their own loop on CPU).
+HF_REFERENCE = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager"}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -34,16 +37,14 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """`hf_model(path)` -> the transformers model for a directory (fp32, eager attention), cached."""
+    """`hf_model(path)` -> the transformers reference model for a directory (HF_REFERENCE), cached."""
     from transformers import AutoModelForCausalLM
 
     cache: dict[Path, torch.nn.Module] = {}
 
     def load(path: Path) -> torch.nn.Module:
         if path not in cache:
-            cache[path] = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, attn_implementation="eager"
-            ).eval()
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, **HF_REFERENCE).eval()
         return cache[path]
 
     return load

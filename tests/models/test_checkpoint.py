@@ -33,9 +33,8 @@ def _disk_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def _hf_load(path, **kw):
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=kw.pop("dtype", torch.float32), output_loading_info=True, **kw
-    )
+    kw = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager", **kw}
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kw)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -64,7 +63,7 @@ def test_tandem_model_round_trips_through_transformers(arch, tmp_path):
     """Random tandem model -> save -> transformers (same logits) -> save_pretrained -> tandem (same weights)."""
     model = build_model(tiny_config(arch, initializer_range=0.1), seed=0).eval()
     save_model(model, tmp_path / "ours")
-    hf = _hf_load(tmp_path / "ours", attn_implementation="eager")
+    hf = _hf_load(tmp_path / "ours")
     ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(ids) - hf(ids).logits).abs().max().item()

@@ -96,7 +96,7 @@ ROPE_CASES = {
 def test_rope_scaling_matches_transformers(case, tmp_path):
     arch, scaling = ROPE_CASES[case]
     path = write_tiny_model(tmp_path, arch, initializer_range=0.1, rope_parameters={"rope_theta": 10000.0, **scaling})
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()  # dense
     model = load_model(path).eval()
     ref_freq, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf.config, "cpu")
     freq, scale = inv_frequencies(model_args(path).rope, model.args.head_dim)

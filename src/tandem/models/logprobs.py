@@ -31,23 +31,30 @@ def _keep_mask(kept_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return keep | (kept_ids < 0).all(dim=1, keepdim=True)
 
 
-def _chunk_logprobs(
+def _chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, kept_ids: torch.Tensor | None
 ) -> torch.Tensor:
-    """Log-probabilities `[rows, vocab]` in fp32, -inf outside the kept set."""
+    """Tempered fp32 logits `[rows, vocab]`, -inf outside the kept set; a fresh tensor, modified in place below."""
     z = (hidden @ weight.T).float()
     z = z.div_(temperature[:, None])
     if kept_ids is not None:
         z = z.masked_fill_(~_keep_mask(kept_ids, weight.shape[0]), float("-inf"))
-    return z.sub_(z.logsumexp(dim=-1, keepdim=True))
+    return z
 
 
-# Entries whose probability underflows to exactly 0 (everything below about -104, and -inf outside the kept set)
-# are clamped here so that `p * logp` is 0 instead of NaN; their contribution is 0 either way.
+def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`(a * b).sum(-1)` for `[rows, vocab]` without a third `[rows, vocab]` temporary."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
+
+
+# Entries whose probability is exactly 0 in fp32 (logp below about -104, and -inf outside the kept set) are
+# clamped here so that `p * logp` is 0 instead of NaN; their contribution is 0 either way.
 _LOGP_FLOOR = -1e4
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
+    """Per chunk: one fp32 logits buffer, plus one for probabilities when entropy is involved. Saves `lse`."""
+
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
@@ -64,16 +71,27 @@ class _ChunkedLogprobs(torch.autograd.Function):
         safe_targets = targets.masked_fill(~valid, 0)
         logprobs = hidden.new_zeros(rows, dtype=torch.float32)
         entropy = hidden.new_zeros(rows, dtype=torch.float32)
+        lse = hidden.new_zeros(rows, dtype=torch.float32)
         for s in range(0, rows, chunk_size):
             e = min(s + chunk_size, rows)
             kept = kept_ids[s:e] if kept_ids is not None else None
-            logp = _chunk_logprobs(hidden[s:e], weight, temperature[s:e], kept)
-            logprobs[s:e] = logp.gather(1, safe_targets[s:e, None]).squeeze(1)
+            z = _chunk_logits(hidden[s:e], weight, temperature[s:e], kept)
+            top = z.amax(dim=-1, keepdim=True)
+            z = z.sub_(top)
+            picked = z.gather(1, safe_targets[s:e, None])
             if with_entropy:
-                probs = logp.exp()
-                entropy[s:e] = -(probs * logp.clamp_min_(_LOGP_FLOOR)).sum(dim=-1)
+                probs = z.exp()
+                total = probs.sum(dim=-1, keepdim=True)
+                logp = z.sub_(total.log()).clamp_min_(_LOGP_FLOOR)
+                entropy[s:e] = -_dot_rows(probs.div_(total), logp)
+                del probs, logp
+            else:
+                total = z.exp_().sum(dim=-1, keepdim=True)
+            del z
+            logprobs[s:e] = (picked - total.log()).view(-1)
+            lse[s:e] = (top + total.log()).view(-1)
         logprobs = logprobs.masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(hidden, weight, safe_targets, valid, temperature, kept_ids, entropy)
+        ctx.save_for_backward(hidden, weight, safe_targets, valid, temperature, kept_ids, entropy, lse)
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)
         return logprobs, entropy
@@ -82,31 +100,35 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, targets, valid, temperature, kept_ids, entropy = ctx.saved_tensors
+        hidden, weight, targets, valid, temperature, kept_ids, entropy, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         if grad_logprobs is None and grad_entropy is None:
             return grad_hidden, grad_weight, None, None, None, None, None
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(entropy)
+        grad_logprobs = grad_logprobs * valid
         rows, chunk_size = hidden.shape[0], ctx.chunk_size
         for s in range(0, rows, chunk_size):
             e = min(s + chunk_size, rows)
             kept = kept_ids[s:e] if kept_ids is not None else None
-            logp = _chunk_logprobs(hidden[s:e], weight, temperature[s:e], kept)
-            probs = logp.exp()
+            g_lp = grad_logprobs[s:e, None]
+            logp = _chunk_logits(hidden[s:e], weight, temperature[s:e], kept).sub_(lse[s:e, None])
             # grad_z = g_logprob * (onehot(target) - p) + g_entropy * (-p * (logp + entropy))
-            if grad_entropy is not None:
-                logp = logp.clamp_min_(_LOGP_FLOOR).add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None])
+            if grad_entropy is None:
+                grad_z = logp.exp_().mul_(-g_lp)
             else:
-                logp = logp.zero_()
-            g_lp = grad_logprobs[s:e] * valid[s:e] if grad_logprobs is not None else torch.zeros_like(entropy[s:e])
-            grad_z = probs.mul_(logp.add_(g_lp[:, None])).neg_()
-            grad_z = grad_z.scatter_add_(1, targets[s:e, None], g_lp[:, None])
-            grad_z = grad_z.div_(temperature[s:e, None])
+                probs = logp.exp()
+                coef = logp.clamp_min_(_LOGP_FLOOR).add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None]).add_(g_lp)
+                grad_z = probs.mul_(coef).neg_()
+                del probs, coef
+            grad_z = grad_z.scatter_add_(1, targets[s:e, None], g_lp).div_(temperature[s:e, None])
             if grad_hidden is not None:
                 grad_hidden[s:e] = grad_z.to(hidden.dtype) @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(grad_z.T, hidden[s:e].float())
+            del grad_z, logp
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
