@@ -73,7 +73,7 @@ COMMANDS = {
             "trainer",
             "The RL trainer process (run it under torchrun for several devices).",
             "tandem.config.trainer:TrainerConfig",
-            issue=7,
+            "tandem.trainer.rl:train",
         ),
         Command(
             "dashboard", "A local web page over every run and eval.", "tandem.config.dashboard:DashboardConfig", issue=8

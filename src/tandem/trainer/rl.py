@@ -1,0 +1,123 @@
+"""`tandem trainer`: the RL trainer. Step N reads batch N from the orchestrator, trains, publishes policy N.
+
+Run alone as `tandem trainer @ trainer.toml` or under torchrun
+(`torchrun --nproc-per-node N -m tandem.trainer.rl @ trainer.toml`); `tandem rl` starts it for you.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tandem.config import load_config
+from tandem.config.trainer import TrainerConfig
+from tandem.run import prepare_run_dir, setup_logging
+from tandem.trainer import ckpt
+from tandem.trainer.loss import LossInputs, policy_loss
+from tandem.trainer.model import build_training_model, export_hf
+from tandem.trainer.monitor import Monitor
+from tandem.trainer.parallel import init_distributed
+from tandem.trainer.schedule import build_scheduler
+from tandem.transport.batches import read_batch, wait_for_batch
+from tandem.transport.policies import mark_complete, policy_dir
+
+logger = logging.getLogger(__name__)
+
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def micro_batch_loss(model, micro: dict[str, torch.Tensor], config: TrainerConfig, device: torch.device):
+    """Forward one micro-batch: trainer logprobs under the rollouts' temperatures and sampling masks, then the loss."""
+    micro = {name: tensor.to(device) for name, tensor in micro.items()}
+    loss_tokens = micro["target_ids"] != -100
+    kept = micro.get("kept_ids")
+    out = model(
+        micro["input_ids"],
+        micro["position_ids"],
+        targets=micro["target_ids"],
+        temperature=micro["temperatures"],
+        kept_ids=kept,
+        chunk_size=config.loss_chunk_size,
+    )
+    inputs = LossInputs(
+        logprobs=out.logprobs[loss_tokens],
+        inference_logprobs=micro["inference_logprobs"][loss_tokens],
+        advantages=micro["advantages"][loss_tokens],
+        weights=micro["loss_weights"][loss_tokens],
+        entropy=out.entropy[loss_tokens] if out.entropy is not None else None,
+    )
+    loss, metrics = policy_loss(config.loss, inputs)
+    metrics["loss_tokens"] = loss_tokens.sum().float()
+    return loss, metrics
+
+
+def train(config: TrainerConfig) -> int:
+    world = init_distributed()
+    if world.is_main:
+        prepare_run_dir(config, "trainer")
+    else:
+        setup_logging("warning")
+    torch.manual_seed(config.seed)
+    model, info = build_training_model(config, world)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+        eps=config.optim.eps,
+        weight_decay=config.optim.weight_decay,
+    )
+    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
+    run_dir = config.run_dir
+    ckpt_root, batches, policies = run_dir / "checkpoints", run_dir / "batches", run_dir / "policies"
+    start_step = 0
+    if config.resume.enabled:
+        state = ckpt.load_checkpoint(ckpt.resolve_resume(ckpt_root, config.resume.step), model, optimizer, scheduler)
+        start_step = state["step"]
+    monitor = Monitor(config, world, info, start_step)
+    try:
+        for step in range(start_step + 1, config.max_steps + 1):
+            wait_for_batch(batches, step, config.batch_timeout_s)
+            monitor.start_step()
+            micros, header = read_batch(batches, step, world.rank, world.world_size)
+            sums: dict[str, torch.Tensor] = {}
+            for index, micro in enumerate(micros):
+                model.set_requires_gradient_sync(index == len(micros) - 1)
+                loss, metrics = micro_batch_loss(model, micro, config, world.device)
+                # Weights already sum to 1 over the whole batch; FSDP averages over ranks, so undo that.
+                (loss * world.world_size).backward()
+                for name, value in {"loss": loss.detach(), **metrics}.items():
+                    sums[name] = sums.get(name, 0) + value
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            export_hf(model, info, policy_dir(policies, step), world, config.model.dtype)
+            if world.is_main:
+                mark_complete(policy_dir(policies, step))
+            monitor.end_step(
+                step,
+                sums=sums,
+                values={"grad_norm": grad_norm, "lr": lr, "samples": header.get("num_samples", 0)},
+                real_tokens=header.get("num_tokens", 0),
+            )
+            if config.ckpt.interval and step % config.ckpt.interval == 0:
+                ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
+    finally:
+        monitor.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tandem.trainer.rl @ trainer.toml`, the torchrun entry point."""
+    config, _ = load_config(TrainerConfig, sys.argv[1:] if argv is None else argv)
+    return train(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

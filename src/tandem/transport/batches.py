@@ -1,0 +1,76 @@
+"""Training batches from the orchestrator to the trainer, as files (a zmq transport can sit behind the same calls).
+
+`<run>/batches/step-<N>.safetensors` holds every micro-batch of every trainer rank for step N,
+keyed `rank<r>.micro<m>.<field>`, plus JSON metadata (step, world size, micro-batches per rank,
+anything else the orchestrator reports). Safetensors is self-describing and never unpickles; the
+file is written under a temporary name and renamed, so a reader never sees half a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+MicroBatch = dict[str, torch.Tensor]
+
+
+class BatchTimeout(TimeoutError):
+    """No batch for a step arrived in time: the orchestrator is gone or stuck."""
+
+
+def batch_path(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}.safetensors"
+
+
+def write_batch(root: Path, step: int, ranks: list[list[MicroBatch]], meta: dict[str, Any]) -> Path:
+    """Write all ranks' micro-batches of one step atomically."""
+    micro_counts = {len(micros) for micros in ranks}
+    if len(micro_counts) != 1:
+        raise ValueError(f"every rank needs the same number of micro-batches, got {sorted(micro_counts)}")
+    tensors = {
+        f"rank{rank}.micro{index}.{name}": tensor.contiguous()
+        for rank, micros in enumerate(ranks)
+        for index, micro in enumerate(micros)
+        for name, tensor in micro.items()
+    }
+    header = {"step": step, "world_size": len(ranks), "micro_batches": micro_counts.pop(), **meta}
+    root.mkdir(parents=True, exist_ok=True)
+    final = batch_path(root, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"tandem": json.dumps(header)})
+    os.replace(tmp, final)
+    return final
+
+
+def read_batch(root: Path, step: int, rank: int, world_size: int) -> tuple[list[MicroBatch], dict[str, Any]]:
+    """This rank's micro-batches of a step and the batch metadata."""
+    path = batch_path(root, step)
+    with safe_open(str(path), "pt") as handle:
+        header = json.loads(handle.metadata()["tandem"])
+        if header["world_size"] != world_size:
+            raise ValueError(f"{path} was packed for {header['world_size']} trainer ranks, this run has {world_size}")
+        micros: list[MicroBatch] = [{} for _ in range(header["micro_batches"])]
+        prefix = f"rank{rank}."
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+            if key.startswith(prefix):
+                _, micro, name = key.split(".", 2)
+                micros[int(micro.removeprefix("micro"))][name] = handle.get_tensor(key)
+    return micros, header
+
+
+def wait_for_batch(root: Path, step: int, timeout_s: float, poll_s: float = 0.05) -> Path:
+    """Block until step's batch exists; raise BatchTimeout after timeout_s."""
+    path = batch_path(root, step)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise BatchTimeout(f"no batch for step {step} in {root} after {timeout_s:.0f}s: is the orchestrator running?")
+        time.sleep(poll_s)
+    return path

@@ -1,0 +1,52 @@
+"""Policy versions from the trainer to inference, as Hugging Face checkpoint directories.
+
+Policy N (the weights after trainer step N) lives in `<run>/policies/step-<N>/`, written whole
+by `save_model` (temporary directory, then rename) and then marked complete by a `COMPLETE` file,
+so a reader that sees the marker sees the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+COMPLETE = "COMPLETE"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def policy_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
+
+
+def mark_complete(path: Path) -> None:
+    (path / COMPLETE).write_text("")
+
+
+def latest_policy(root: Path) -> int:
+    """The newest complete policy version (0 if none: the initial weights)."""
+    if not root.is_dir():
+        return 0
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / COMPLETE).exists()]
+    return max(steps, default=0)
+
+
+def wait_for_policy(root: Path, step: int, timeout_s: float, poll_s: float = 0.05) -> Path:
+    path = policy_dir(root, step)
+    deadline = time.monotonic() + timeout_s
+    while not (path / COMPLETE).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"policy {step} did not appear in {root} within {timeout_s:.0f}s: is the trainer running?")
+        time.sleep(poll_s)
+    return path
+
+
+def prune_policies(root: Path, keep_from: int) -> None:
+    """Delete complete policies older than `keep_from` (inference has moved past them)."""
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        match = _STEP.match(path.name)
+        if match and int(match.group(1)) < keep_from and (path / COMPLETE).exists():
+            shutil.rmtree(path, ignore_errors=True)

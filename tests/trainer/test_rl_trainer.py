@@ -1,0 +1,146 @@
+"""The RL trainer on orchestrator-style batch files: exact aggregation however the batch is split."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tandem.config.trainer import TrainerConfig
+from tandem.models import load_model
+from tandem.orchestrator.advantages import group_advantages, loss_weights
+from tandem.orchestrator.batching import TrainSample, pack_batch
+from tandem.trainer.rl import micro_batch_loss
+from tandem.transport.batches import read_batch, write_batch
+from tandem.transport.policies import COMPLETE
+
+SEQ_LEN = 64
+
+
+def make_samples(aggregation: str, seed: int = 0) -> list[TrainSample]:
+    """3 prompts x 4 rollouts of varied lengths, rewards in [0, 1], GRPO advantages, loss weights."""
+    rng = random.Random(seed)
+    samples, prompt_of = [], []
+    for prompt in range(3):
+        prompt_ids = [rng.randrange(3, 500) for _ in range(rng.randint(4, 10))]
+        group = []
+        for _ in range(4):
+            n = rng.randint(3, 20)
+            group.append(([rng.randrange(3, 500) for _ in range(n)], rng.random()))
+        advantages = group_advantages([r for _, r in group], [len(c) for c, _ in group])
+        for (completion, _), advantage in zip(group, advantages, strict=True):
+            samples.append(
+                TrainSample(
+                    prompt_ids=prompt_ids,
+                    completion_ids=completion,
+                    logprobs=[-rng.uniform(4, 8) for _ in completion],
+                    advantage=advantage,
+                    weight=0.0,
+                    temperature=1.0,
+                    versions=[0] * len(completion),
+                )
+            )
+            prompt_of.append(prompt)
+    weights = loss_weights([len(s.completion_ids) for s in samples], prompt_of, aggregation)
+    for sample, weight in zip(samples, weights, strict=True):
+        sample.weight = weight
+    return samples
+
+
+def gradients(model_dir, micros, config) -> dict[str, torch.Tensor]:
+    model = load_model(model_dir, dtype=torch.float32)
+    for micro in micros:
+        loss, _ = micro_batch_loss(model, micro, config, torch.device("cpu"))
+        loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "prompt_mean"])
+def test_gradients_identical_for_one_or_two_micro_batches_and_two_ranks(tiny_model_dir, aggregation):
+    model_dir = tiny_model_dir("qwen3")
+    config = TrainerConfig()
+    samples = make_samples(aggregation)
+    whole = pack_batch(samples, SEQ_LEN, world_size=1, micro_batch_rows=16)
+    assert len(whole[0]) == 1
+    split = pack_batch(samples, SEQ_LEN, world_size=1, micro_batch_rows=1)
+    assert len(split[0]) > 1
+    two_ranks = pack_batch(samples, SEQ_LEN, world_size=2, micro_batch_rows=1)
+    reference = gradients(model_dir, whole[0], config)
+    rank0, rank1 = (gradients(model_dir, micros, config) for micros in two_ranks)
+    candidates = {
+        "micro-batches": gradients(model_dir, split[0], config),
+        # Two ranks' gradients add up (FSDP averages them and the trainer scales by world size).
+        "ranks": {key: rank0[key] + rank1[key] for key in rank0},
+    }
+    for name, grads in candidates.items():
+        for key, value in reference.items():
+            torch.testing.assert_close(grads[key], value, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_prompt_mean_weighs_every_prompt_the_same():
+    samples = make_samples("prompt_mean")
+    per_prompt: dict[tuple, float] = {}
+    for sample in samples:
+        key = tuple(sample.prompt_ids)
+        per_prompt[key] = per_prompt.get(key, 0.0) + sample.weight * len(sample.completion_ids)
+    assert list(per_prompt.values()) == pytest.approx([1 / 3] * 3)
+    token_mean = make_samples("token_mean")
+    assert sum(s.weight * len(s.completion_ids) for s in token_mean) == pytest.approx(1.0)
+
+
+def test_batch_file_round_trip(tmp_path):
+    ranks = pack_batch(make_samples("token_mean"), SEQ_LEN, world_size=2, micro_batch_rows=2)
+    write_batch(tmp_path, 1, ranks, {"num_samples": 12})
+    for rank in range(2):
+        micros, header = read_batch(tmp_path, 1, rank, 2)
+        assert header["num_samples"] == 12 and header["world_size"] == 2
+        for got, want in zip(micros, ranks[rank], strict=True):
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in got)
+    with pytest.raises(ValueError, match="packed for 2 trainer ranks"):
+        read_batch(tmp_path, 1, 0, 1)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def run_trainer(model_dir, out, name, nproc, batches):
+    run_dir = out / name
+    (run_dir / "batches").mkdir(parents=True)
+    for step, ranks in enumerate(batches, start=1):
+        write_batch(run_dir / "batches", step, ranks, {"num_samples": 12, "num_tokens": 100})
+    flags = [
+        "--model", str(model_dir), "--model.dtype", "float32", "--max-steps", str(len(batches)),
+        "--output-dir", str(out), "--run-name", name, "--optim.lr", "1e-3", "--batch-timeout-s", "60",
+    ]  # fmt: skip
+    if nproc == 1:
+        command = [sys.executable, "-m", "tandem", "trainer", *flags]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        command += ["-m", "tandem.trainer.rl", *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_trainer_on_two_gloo_ranks_matches_one_and_publishes_policies(tiny_model_dir, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model_dir("qwen3")
+    steps = [make_samples("token_mean", seed) for seed in (1, 2)]
+    one = run_trainer(model_dir, tmp_path, "one", 1, [pack_batch(s, SEQ_LEN, 1, 1) for s in steps])
+    two = run_trainer(model_dir, tmp_path, "two", 2, [pack_batch(s, SEQ_LEN, 2, 1) for s in steps])
+    metrics = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)]
+    for a, b in zip(*metrics, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["mismatch_kl"] == pytest.approx(b["mismatch_kl"], rel=1e-5)
+    for step in (1, 2):
+        policy = one / "policies" / f"step-{step:06d}"
+        assert (policy / COMPLETE).exists() and (policy / "config.json").exists()
+    final = [load_file(run / "policies" / "step-000002" / "model.safetensors") for run in (one, two)]
+    for key in final[0]:
+        torch.testing.assert_close(final[0][key], final[1][key], rtol=0, atol=1e-5)
