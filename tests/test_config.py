@@ -219,3 +219,11 @@ def test_keys_inside_free_form_tables_parse_as_toml_literals():
     config, _ = load_config(EvalConfig, [*flags, "--env.args.flag", "true", "--env.select.include", "0:10"])
     assert config.env.args == {"num_tasks": 5, "path": "data.jsonl", "flag": True}
     assert config.env.select.include is not None  # a field-level shorthand still reaches its validator
+
+
+def test_setting_one_key_keeps_a_sections_declared_defaults():
+    config, _ = load_config(TrainerConfig, ["--optim.weight-decay", "0.1"])
+    assert config.optim.lr == TrainerConfig().optim.lr == 1e-6  # the RL trainer's default, not OptimConfig's
+    rl, _ = load_config(RlConfig, ["--trainer.optim.weight-decay", "0.1", "--max-steps", "7"])
+    assert rl.trainer.optim.lr == 1e-6 and rl.inference.port == 0
+    assert rl.trainer.max_steps == rl.orchestrator.max_steps == 7

@@ -71,11 +71,12 @@ class RunConfig(Section):
         if not data.get("run_name"):
             data["run_name"] = f"{cls.command}-{datetime.now():%Y%m%d-%H%M%S}"
         for name, info in cls.model_fields.items():
+            if isinstance(info.default, Section):
+                data[name] = _under_default(info.default, data.get(name))
             target = info.annotation
             if not (isinstance(target, type) and issubclass(target, RunConfig)):
                 continue
-            section = data.get(name)
-            section = dict(section) if isinstance(section, dict) else {}
+            section = dict(data.get(name) or {})
             for key in cls.shared_fields:
                 if key not in data or key not in target.model_fields:
                     continue
@@ -103,6 +104,16 @@ class RunConfig(Section):
     @property
     def run_dir(self) -> Path:
         return self.output_dir / self.run_name
+
+
+def _under_default(default: Section, given: Any) -> Any:
+    """A section's values over the non-class defaults its field declares (`optim = OptimConfig(lr=1e-6)`),
+    so setting one key of such a section keeps the field's other defaults. Shared values are left to flow."""
+    if given is not None and not isinstance(given, dict):
+        return given
+    shared = default.shared_fields if isinstance(default, RunConfig) else ()
+    base = {k: v for k, v in default.model_dump(exclude_unset=True).items() if k not in shared}
+    return deep_merge(base, given or {})
 
 
 class OptimConfig(Section):

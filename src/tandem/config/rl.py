@@ -4,18 +4,38 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pydantic import Field
+
+from tandem.config.base import Section
 from tandem.config.common import RunConfig
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.config.trainer import TrainerConfig
+from tandem.config.training import ResumeConfig
+
+
+class RlDeployConfig(Section):
+    trainer_nproc: int = Field(1, gt=0)
+    """Trainer processes (torchrun above 1): one per GPU in trainer_gpus, or gloo processes on CPU."""
+    trainer_gpus: list[int] = Field(default_factory=list)
+    """GPU indices for the trainer (empty: CPU, or every GPU when inference_gpus is empty too)."""
+    inference_gpus: list[int] = Field(default_factory=list)
+    """GPU indices for the inference server."""
 
 
 class RlConfig(RunConfig):
     command: ClassVar[str] = "rl"
+    shared_fields: ClassVar[tuple[str, ...]] = (*RunConfig.shared_fields, "max_steps")
 
+    max_steps: int = Field(100, gt=0)
+    """Trainer steps (and batches)."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer process."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     """The orchestrator process."""
-    inference: InferenceConfig = InferenceConfig()
-    """The inference server."""
+    inference: InferenceConfig = InferenceConfig(port=0)
+    """The inference server (port 0: a free port)."""
+    deploy: RlDeployConfig = RlDeployConfig()
+    """Processes and devices."""
+    resume: ResumeConfig = ResumeConfig()
+    """Continue a killed run from the trainer's last checkpoint (`--resume`)."""

@@ -1,0 +1,105 @@
+"""The inference servers as the orchestrator sees them: token-in generation, least-loaded choice, weight updates.
+
+Any server that speaks the built-in engine's `/generate`, `/update_weights`, `/pause` and `/resume`
+contract works (docs/inference.md), so the built-in engine and vLLM look the same from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.config.orchestrator import InferencePoolConfig, RolloutSamplingConfig
+from tandem.eval.client import OpenAIClient, RequestError
+from tandem.inference.masks import decode_mask
+from tandem.inference.protocol import GenerateRequest, GenerateResponse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    kept_ids: list[list[int]] | None  # per token, the ids sampling kept; None when nothing was truncated
+
+
+class InferencePool:
+    def __init__(self, config: InferencePoolConfig):
+        self.config = config
+        self.clients = [OpenAIClient(url, api_key=config.admin_token, timeout_s=config.request_timeout_s) for url in config.base_urls]
+        self.in_flight = [0] * len(self.clients)
+        self.version = 0
+        self.busy_since: float | None = None
+        self.idle_s = 0.0
+        self._idle_from = time.monotonic()
+
+    async def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        for url, client in zip(self.config.base_urls, self.clients, strict=True):
+            while True:
+                try:
+                    await client.request("GET", "/health")
+                    break
+                except RequestError as error:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"inference server {url} not healthy: {error}") from None
+                    await asyncio.sleep(0.5)
+
+    def _track(self, delta: int) -> None:
+        total_before = sum(self.in_flight)
+        now = time.monotonic()
+        if total_before == 0 and delta > 0:
+            self.idle_s += now - self._idle_from
+        if total_before + delta == 0:
+            self._idle_from = now
+
+    async def generate(self, prompt_ids: list[int], sampling: RolloutSamplingConfig, n: int, seed: int) -> list[Completion]:
+        """n completions of one prompt from the least-loaded server."""
+        index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
+        request = GenerateRequest(
+            prompt_ids=prompt_ids,
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            max_tokens=sampling.max_tokens,
+            seed=seed,
+            return_sampling_masks=True,
+        )
+        self._track(+1)
+        self.in_flight[index] += 1
+        try:
+            reply = await self.clients[index].request("POST", "/generate", request.model_dump(exclude_none=True))
+        finally:
+            self.in_flight[index] -= 1
+            self._track(-1)
+        response = GenerateResponse.model_validate(reply.data)
+        return [_completion(choice) for choice in response.choices]
+
+    async def load_policy(self, path: Path, version: int) -> None:
+        """Pause every server, swap in policy `version`, resume: requests in flight continue with it."""
+        body: dict[str, Any] = {"path": str(path), "version": version}
+        await asyncio.gather(*(client.request("POST", "/pause") for client in self.clients))
+        try:
+            await asyncio.gather(*(client.request("POST", "/update_weights", body) for client in self.clients))
+        finally:
+            await asyncio.gather(*(client.request("POST", "/resume") for client in self.clients))
+        self.version = version
+        logger.info("inference now serves policy %d", version)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.aclose() for client in self.clients))
+
+
+def _completion(choice) -> Completion:
+    masks = choice.sampling_masks
+    kept = None if masks is None or all(m is None for m in masks) else [decode_mask(m) if m else [] for m in masks]
+    return Completion(choice.token_ids, choice.logprobs, choice.versions, choice.finish_reason, kept)
