@@ -84,7 +84,9 @@ def main() -> None:
     chunk_logits = args.chunk_size * args.vocab * 4
     print(f"tokens={args.tokens} vocab={args.vocab} hidden={args.hidden} chunk_size={args.chunk_size} fp32, CPU")
     print("peak memory = growth of peak RSS (getrusage ru_maxrss) over the inputs, one fresh process per variant")
-    print(f"full logits: {args.tokens * args.vocab * 4 / mib:,.0f} MiB; one chunk of logits: {chunk_logits / mib:,.0f} MiB;")
+    print(
+        f"full logits: {args.tokens * args.vocab * 4 / mib:,.0f} MiB; one chunk of logits: {chunk_logits / mib:,.0f} MiB;"
+    )
     print(f"LM-head weight gradient (fwd+bwd, both variants): {args.vocab * args.hidden * 4 / mib:,.0f} MiB")
     print()
     header = f"{'mode':<18}{'variant':<9}{'peak MiB':>10}{'chunks':>8}{'time s':>9}{'naive/chunked mem':>19}{'time':>7}"

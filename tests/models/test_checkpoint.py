@@ -20,7 +20,7 @@ from tandem.models import (
     load_weights,
     save_model,
 )
-from tandem.testing import tiny_config
+from tandem.testing import tiny_config, write_tiny_model
 from tandem.testing.tiny import ARCHITECTURES as ARCHS
 
 
@@ -174,3 +174,30 @@ def test_config_errors_name_the_problem(tmp_path):
         build_model(tiny_config("qwen3", use_sliding_window=True))
     with pytest.raises(TypeError, match="unknown runtime options"):
         build_model(tiny_config("qwen3"), vocab_size=3)
+
+
+VARIANTS = {
+    "llama with attention and MLP biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "qwen3 with attention bias": ("qwen3", {"attention_bias": True}),
+    "qwen3_moe with a dense layer": ("qwen3_moe", {"mlp_only_layers": [0]}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_and_round_trip(variant, tmp_path):
+    """Biases (randomised: transformers initialises them to zero) and mixed dense/MoE layers."""
+    arch, overrides = VARIANTS[variant]
+    src = write_tiny_model(tmp_path / "src", arch, initializer_range=0.1, **overrides)
+    hf = _hf_load(src)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.1)
+    hf.save_pretrained(src)
+    model = load_model(src)
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
+    original, saved = _disk_tensors(src), _disk_tensors(save_model(model, tmp_path / "out"))
+    assert sorted(saved) == sorted(original)
+    assert all(torch.equal(saved[k], original[k]) for k in original)

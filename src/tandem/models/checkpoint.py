@@ -50,9 +50,11 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Fused:
-    """One runtime tensor from HF tensors: each group in `parts` is concatenated on dim 0; groups are stacked."""
+    """One runtime tensor from HF tensors: each group in `parts` is concatenated on dim 0 (`sizes` rows each,
+    when there are several); the groups are stacked on a new dim 0 when `stacked` (experts)."""
 
     parts: tuple[tuple[str, ...], ...]
+    sizes: tuple[int, ...] | None = None
     stacked: bool = False
 
     @property
@@ -69,12 +71,14 @@ def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False)
     out = {"embed_tokens.weight": _plain("model.embed_tokens.weight"), "norm.weight": _plain("model.norm.weight")}
     if not args.tie_word_embeddings:
         out["lm_head.weight"] = _plain("lm_head.weight")
+    qkv_sizes = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.num_kv_heads * args.head_dim)
     for i in range(args.num_layers):
         hf, rt = f"model.layers.{i}.", f"layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
         for kind in ("weight", "bias") if args.attention_bias else ("weight",):
-            out[f"{rt}self_attn.qkv_proj.{kind}"] = Fused((tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"),))
+            qkv = tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv")
+            out[f"{rt}self_attn.qkv_proj.{kind}"] = Fused((qkv,), qkv_sizes)
             out[f"{rt}self_attn.o_proj.{kind}"] = _plain(f"{hf}self_attn.o_proj.{kind}")
         if args.qk_norm:
             for norm in ("q_norm", "k_norm"):
@@ -85,18 +89,18 @@ def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False)
                 out[f"{rt}mlp.experts.gate_up_proj"] = _plain(hf + layout.stacked_gate_up)
                 out[f"{rt}mlp.experts.down_proj"] = _plain(hf + layout.stacked_down)
                 continue
-            gate, up, down = layout.expert_projs
+            gate, up, down = (hf + layout.expert.replace("{proj}", proj) for proj in layout.expert_projs)
             experts = range(args.moe.num_experts)
-            name = hf + layout.expert
+            size = args.moe.intermediate_size
             out[f"{rt}mlp.experts.gate_up_proj"] = Fused(
-                tuple((name.format(expert=e, proj=gate), name.format(expert=e, proj=up)) for e in experts), stacked=True
+                tuple((gate.format(expert=e), up.format(expert=e)) for e in experts), (size, size), stacked=True
             )
-            out[f"{rt}mlp.experts.down_proj"] = Fused(
-                tuple((name.format(expert=e, proj=down),) for e in experts), stacked=True
-            )
+            out[f"{rt}mlp.experts.down_proj"] = Fused(tuple((down.format(expert=e),) for e in experts), stacked=True)
         else:
+            size = args.intermediate_size
             for kind in ("weight", "bias") if args.mlp_bias else ("weight",):
-                out[f"{rt}mlp.gate_up_proj.{kind}"] = Fused(((f"{hf}mlp.gate_proj.{kind}", f"{hf}mlp.up_proj.{kind}"),))
+                gate_up = (f"{hf}mlp.gate_proj.{kind}", f"{hf}mlp.up_proj.{kind}")
+                out[f"{rt}mlp.gate_up_proj.{kind}"] = Fused((gate_up,), (size, size))
                 out[f"{rt}mlp.down_proj.{kind}"] = _plain(f"{hf}mlp.down_proj.{kind}")
     return out
 
@@ -107,15 +111,11 @@ def _layout(args: ModelArgs) -> HFLayout:
 
 def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their HF names and shapes (views of the runtime tensors, no copies)."""
-    args: ModelArgs = model.args
     state = model.state_dict()
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    for name, fused in weight_map(args, _layout(args)).items():
-        tensor = state[name]
-        groups = tensor.unbind(0) if fused.stacked else (tensor,)
+    for name, fused in weight_map(model.args, _layout(model.args)).items():
+        groups = state[name].unbind(0) if fused.stacked else (state[name],)
         for group, keys in zip(groups, fused.parts, strict=True):
-            sizes = (q, kv, kv) if len(keys) == 3 else (group.shape[0] // len(keys),) * len(keys)
-            yield from zip(keys, group.split(sizes), strict=True)
+            yield from zip(keys, group.split(fused.sizes) if fused.sizes else (group,), strict=True)
 
 
 class _Reader:
@@ -171,7 +171,9 @@ def iter_runtime_tensors(path: str | Path, args: ModelArgs) -> Iterator[tuple[st
     wanted = weight_map(args, layout, stacked_experts=stacked)
     _check_keys(set(reader.files), wanted, args, path)
     for name, fused in wanted.items():
-        groups = [torch.cat([reader.get(k) for k in keys]) for keys in fused.parts]
+        groups = [
+            reader.get(keys[0]) if len(keys) == 1 else torch.cat([reader.get(k) for k in keys]) for keys in fused.parts
+        ]
         yield name, torch.stack(groups) if fused.stacked else groups[0]
 
 

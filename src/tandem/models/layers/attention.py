@@ -52,14 +52,6 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
-def flex_available() -> bool:
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _flex_block_mask(documents: torch.Tensor) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -76,7 +68,7 @@ def attention_inputs(
     """Pick the path for a training/scoring forward.
 
     No positions and no padding: plain causal SDPA. Otherwise documents: `flex` (GPU; no CPU backward), `sdpa`
-    with an explicit mask (works everywhere), or `auto` = flex on CUDA when available, else SDPA.
+    with an explicit mask (works everywhere), or `auto` = flex on CUDA, SDPA elsewhere.
     """
     if position_ids is None and attention_mask is None:
         return AttnInputs()
@@ -84,7 +76,7 @@ def attention_inputs(
         position_ids = torch.arange(attention_mask.shape[1], device=device).expand(attention_mask.shape[0], -1)
     documents = document_ids(position_ids, attention_mask)
     if backend == "auto":
-        backend = "flex" if device.type == "cuda" and flex_available() else "sdpa"
+        backend = "flex" if device.type == "cuda" else "sdpa"
     if backend == "flex":
         return AttnInputs(block_mask=_flex_block_mask(documents))
     return AttnInputs(mask=document_mask(documents))
@@ -94,7 +86,7 @@ def attention_inputs(
 def _compiled_flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:

@@ -7,6 +7,7 @@ does, so training, packed, and cached inference all rotate q and k identically.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -105,6 +106,12 @@ class RotaryEmbedding(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         """Recompute the table on `device` (after building on `meta` and materialising)."""
         self.inv_freq = inv_frequencies(self.rope, self.head_dim)[0].to(device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
+        """Keep the table fp32 when the model is cast (`model.to(torch.bfloat16)`), and real after `to_empty`."""
+        super()._apply(fn, recurse)
+        self.init_buffers(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
