@@ -47,7 +47,7 @@ COMMANDS = {
             "rl",
             "Run inference, orchestrator and trainer together: asynchronous RL on one machine.",
             "tandem.config.rl:RlConfig",
-            issue=7,
+            "tandem.launch:run_rl",
         ),
         Command("sft", "Supervised fine-tuning on FSDP2.", "tandem.config.sft:SftConfig", "tandem.trainer.sft:launch"),
         Command(
@@ -67,7 +67,7 @@ COMMANDS = {
             "orchestrator",
             "Schedule rollouts, score them, and write training batches.",
             "tandem.config.orchestrator:OrchestratorConfig",
-            issue=7,
+            "tandem.orchestrator.main:run",
         ),
         Command(
             "trainer",

@@ -76,7 +76,9 @@ def pack_batch(
     """Per rank, a list of micro-batches `[micro_batch_rows, seq_len]`; empty rows pad the count evenly."""
     for index, sample in enumerate(samples):
         if not sample.prompt_ids or len(sample) > seq_len:
-            raise ValueError(f"sample {index} has {len(sample)} tokens; it must have a prompt and fit seq_len {seq_len}")
+            raise ValueError(
+                f"sample {index} has {len(sample)} tokens; it must have a prompt and fit seq_len {seq_len}"
+            )
     bins = first_fit_decreasing([len(s) for s in samples], seq_len)
     unit = world_size * micro_batch_rows
     bins += [[] for _ in range(-len(bins) % unit)]

@@ -135,7 +135,9 @@ class Orchestrator:
         while len(groups) < needed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"batch {step} not filled in {self.config.batch_timeout_s:.0f}s; dropped: {dict(self.stats.dropped)}")
+                raise TimeoutError(
+                    f"batch {step} not filled in {self.config.batch_timeout_s:.0f}s; dropped: {dict(self.stats.dropped)}"
+                )
             try:
                 item = await asyncio.wait_for(self.queue.get(), remaining)
             except TimeoutError:
@@ -167,7 +169,14 @@ class Orchestrator:
                     )
                 )
                 prompt_of.append(index)
-                records.append({"source": group.source.name, "reward": reward, "advantage": adv, "tokens": len(completion.token_ids)})
+                records.append(
+                    {
+                        "source": group.source.name,
+                        "reward": reward,
+                        "advantage": adv,
+                        "tokens": len(completion.token_ids),
+                    }
+                )
         weights = loss_weights([len(s.completion_ids) for s in samples], prompt_of, advantage.aggregation)
         for sample, weight in zip(samples, weights, strict=True):
             sample.weight = weight
@@ -249,7 +258,9 @@ class Orchestrator:
                     self.stats = StepStats()
                     groups = await self._collect(step)
                     samples, records = self._samples(groups)
-                    ranks = pack_batch(samples, self.config.seq_len, self.config.trainer_ranks, self.config.micro_batch_rows)
+                    ranks = pack_batch(
+                        samples, self.config.seq_len, self.config.trainer_ranks, self.config.micro_batch_rows
+                    )
                     meta = {"num_samples": len(samples), "num_tokens": sum(len(s) for s in samples)}
                     write_batch(self.run_dir / "batches", step, ranks, meta)
                     self._save_state(step, history)

@@ -33,7 +33,10 @@ class Completion:
 class InferencePool:
     def __init__(self, config: InferencePoolConfig):
         self.config = config
-        self.clients = [OpenAIClient(url, api_key=config.admin_token, timeout_s=config.request_timeout_s) for url in config.base_urls]
+        self.clients = [
+            OpenAIClient(url, api_key=config.admin_token, timeout_s=config.request_timeout_s)
+            for url in config.base_urls
+        ]
         self.in_flight = [0] * len(self.clients)
         self.version = 0
         self.busy_since: float | None = None
@@ -60,7 +63,9 @@ class InferencePool:
         if total_before + delta == 0:
             self._idle_from = now
 
-    async def generate(self, prompt_ids: list[int], sampling: RolloutSamplingConfig, n: int, seed: int) -> list[Completion]:
+    async def generate(
+        self, prompt_ids: list[int], sampling: RolloutSamplingConfig, n: int, seed: int
+    ) -> list[Completion]:
         """n completions of one prompt from the least-loaded server."""
         index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         request = GenerateRequest(

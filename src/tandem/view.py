@@ -1,0 +1,74 @@
+"""The combined live view of `tandem rl`: one progress bar and a line per step, from the children's metric files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+logger = logging.getLogger(__name__)
+
+
+class JsonlFollower:
+    """Reads the complete lines appended to a JSONL file since the last call (a half-written line waits)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def new_records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+class RlProgress:
+    def __init__(self, config, start_step: int):
+        self.config = config
+        self.trainer = JsonlFollower(config.run_dir / "metrics.jsonl")
+        self.orchestrator = JsonlFollower(config.run_dir / "orchestrator_metrics.jsonl")
+        self.rollouts: dict[int, dict[str, Any]] = {}
+        self.progress = Progress(
+            TextColumn("[bold]rl"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self.task = self.progress.add_task("rl", total=config.max_steps, completed=start_step, status="starting")
+        self.progress.start()
+
+    def refresh(self) -> None:
+        for record in self.orchestrator.new_records():
+            self.rollouts[record["step"]] = record
+        for record in self.trainer.new_records():
+            step = record["step"]
+            rollout = self.rollouts.get(step, {})
+            reward = rollout.get("reward", float("nan"))
+            status = f"reward {reward:.3f}  loss {record['loss']:+.4f}  kl {record.get('mismatch_kl', 0):.1e}"
+            self.progress.update(self.task, completed=step, status=status)
+            logger.info(
+                "step %d/%d  reward %.3f  loss %+.4f  mismatch_kl %.2e  masked %.3f/%.3f  entropy %.3f  grad_norm %.3f",
+                step,
+                self.config.max_steps,
+                reward,
+                record["loss"],
+                record.get("mismatch_kl", 0.0),
+                record.get("masked_low", 0.0),
+                record.get("masked_high", 0.0),
+                record.get("entropy", 0.0),
+                record.get("grad_norm", 0.0),
+            )
+
+    def close(self) -> None:
+        self.progress.stop()
