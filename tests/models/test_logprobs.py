@@ -116,4 +116,7 @@ def test_model_forward_with_targets(model_dir):
     logits = model(ids)
     ref = (logits.float() / 0.8).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(out.logprobs, ref, atol=1e-5, rtol=1e-5)
+    no_entropy = model(ids, targets=targets, temperature=0.8, with_entropy=False)
+    assert no_entropy.entropy is None
+    torch.testing.assert_close(no_entropy.logprobs, out.logprobs, atol=1e-6, rtol=0)
     torch.testing.assert_close(model(ids, return_hidden=True) @ model.lm_head_weight.T, logits)

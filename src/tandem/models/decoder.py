@@ -101,6 +101,7 @@ class CausalLM(nn.Module):
         temperature: float | torch.Tensor = 1.0,
         kept_ids: torch.Tensor | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        with_entropy: bool = True,
     ) -> torch.Tensor | TokenLogprobs:
         """Score a batch `[B, S]`; returns logits `[B, S, V]` unless asked otherwise.
 
@@ -108,7 +109,8 @@ class CausalLM(nn.Module):
         attention_mask: `[B, S]`, 0 for padding (padding never affects real tokens).
         return_hidden: return final hidden states `[B, S, H]` instead of logits.
         targets: return `TokenLogprobs` of these ids (chunked; full logits are never formed) with the given
-            temperature / kept_ids (see `logprobs.token_logprobs`) — the training path.
+            temperature / kept_ids (see `logprobs.token_logprobs`) — the training path. SFT can skip the
+            entropy with `with_entropy=False`.
         """
         batch, seq = input_ids.shape
         attn = attention_inputs(self.args.attn_backend, input_ids.device, position_ids, attention_mask)
@@ -117,7 +119,13 @@ class CausalLM(nn.Module):
         hidden = self.hidden_states(input_ids, position_ids, attn)
         if targets is not None:
             return token_logprobs(
-                hidden, self.lm_head_weight, targets, temperature=temperature, kept_ids=kept_ids, chunk_size=chunk_size
+                hidden,
+                self.lm_head_weight,
+                targets,
+                temperature=temperature,
+                kept_ids=kept_ids,
+                chunk_size=chunk_size,
+                with_entropy=with_entropy,
             )
         return hidden if return_hidden else self.compute_logits(hidden)
 
