@@ -16,7 +16,7 @@ from typing import Any
 from tandem.config.orchestrator import InferencePoolConfig, RolloutSamplingConfig
 from tandem.eval.client import OpenAIClient, RequestError
 from tandem.inference.masks import decode_mask
-from tandem.inference.protocol import GenerateRequest, GenerateResponse
+from tandem.inference.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ class InferencePool:
         ]
         self.in_flight = [0] * len(self.clients)
         self.version = 0
-        self.busy_since: float | None = None
         self.idle_s = 0.0
         self._idle_from = time.monotonic()
 
@@ -69,15 +68,16 @@ class InferencePool:
         """n completions of one prompt from the least-loaded server."""
         index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         request = GenerateRequest(
-            prompt_ids=prompt_ids,
+            prompt_token_ids=prompt_ids,
             n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            max_tokens=sampling.max_tokens,
-            seed=seed,
-            return_sampling_masks=True,
+            sampling=SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                max_tokens=sampling.max_tokens,
+                seed=seed,
+            ),
         )
         self._track(+1)
         self.in_flight[index] += 1
@@ -86,8 +86,8 @@ class InferencePool:
         finally:
             self.in_flight[index] -= 1
             self._track(-1)
-        response = GenerateResponse.model_validate(reply.data)
-        return [_completion(choice) for choice in response.choices]
+        response = GenerateResponse.model_validate(reply.data, strict=False)
+        return [_completion(sample) for sample in response.outputs[0].samples]
 
     async def load_policy(self, path: Path, version: int) -> None:
         """Pause every server, swap in policy `version`, resume: requests in flight continue with it."""
@@ -104,7 +104,7 @@ class InferencePool:
         await asyncio.gather(*(client.aclose() for client in self.clients))
 
 
-def _completion(choice) -> Completion:
-    masks = choice.sampling_masks
+def _completion(sample: SampleOutput) -> Completion:
+    masks = sample.masks
     kept = None if masks is None or all(m is None for m in masks) else [decode_mask(m) if m else [] for m in masks]
-    return Completion(choice.token_ids, choice.logprobs, choice.versions, choice.finish_reason, kept)
+    return Completion(sample.token_ids, sample.logprobs, sample.versions, sample.finish_reason, kept)
