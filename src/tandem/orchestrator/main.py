@@ -11,6 +11,7 @@ sampling more, so every batch has exactly batch_size rollouts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -58,8 +59,10 @@ class Orchestrator:
         self.config, self.tokenizer, self.pool = config, tokenizer, pool
         self.sampler = TaskSampler(load_sources(config.source), config.seed)
         self.run_dir = config.run_dir
-        self.queue: asyncio.Queue[Group | BaseException] = asyncio.Queue()
-        self.filling = 1  # the batch being filled
+        self.per_batch = config.batch_size // config.group_size
+        self.assigned: Counter[int] = Counter()  # groups started or kept for each batch
+        self.buckets: dict[int, asyncio.Queue[Group | BaseException]] = {}
+        self.filling = 1  # the batch being assembled
         self.stats = StepStats()
 
     # -- producing groups -------------------------------------------------------------------------
@@ -92,30 +95,38 @@ class Orchestrator:
             metrics.append({**score.metrics, "truncated": float(completion.finish_reason == "length")})
         return Group(source, prompt_ids, completions, rewards, metrics)
 
+    def _bucket(self, step: int) -> asyncio.Queue[Group | BaseException]:
+        return self.buckets.setdefault(step, asyncio.Queue())
+
+    def _next_target(self) -> int | None:
+        """The earliest batch that still needs a group and that the loaded policy may sample for."""
+        newest = min(self.config.max_steps, self.pool.version + 1 + self.config.async_level)
+        return next((b for b in range(self.filling, newest + 1) if self.assigned[b] < self.per_batch), None)
+
     async def _producer(self) -> None:
-        """Keep `max_concurrent` groups in flight, within the async bound."""
-        in_flight: set[asyncio.Task] = set()
+        """Keep up to `max_concurrent` groups in flight, each meant for one batch within the async bound."""
+        in_flight: dict[asyncio.Task, int] = {}
         draw = 0
         while True:
-            while len(in_flight) < self.config.inference.max_concurrent and self._may_sample():
-                task = asyncio.create_task(self._run_group(draw))
+            while len(in_flight) < self.config.inference.max_concurrent and (target := self._next_target()):
+                self.assigned[target] += 1
+                in_flight[asyncio.create_task(self._run_group(draw))] = target
                 draw += 1
-                in_flight.add(task)
             if not in_flight:
                 await asyncio.sleep(0.01)
                 continue
-            done, in_flight = await asyncio.wait(in_flight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(in_flight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
+                target = in_flight.pop(task)
                 try:
                     group = task.result()
                 except BaseException as error:  # a bug, not a bad rollout: surface it
-                    await self.queue.put(error)
+                    await self._bucket(self.filling).put(error)
                     return
-                if group is not None:
-                    await self.queue.put(group)
-
-    def _may_sample(self) -> bool:
-        return self.pool.version >= self.filling - 1 - self.config.async_level
+                if group is None:
+                    self.assigned[target] -= 1  # errored or timed out: sample a replacement
+                else:
+                    await self._bucket(target).put(group)
 
     # -- assembling batches -----------------------------------------------------------------------
 
@@ -130,22 +141,25 @@ class Orchestrator:
 
     async def _collect(self, step: int) -> list[Group]:
         groups: list[Group] = []
-        needed = self.config.batch_size // self.config.group_size
+        bucket = self._bucket(step)
         deadline = time.monotonic() + self.config.batch_timeout_s
-        while len(groups) < needed:
+        while len(groups) < self.per_batch:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
                     f"batch {step} not filled in {self.config.batch_timeout_s:.0f}s; dropped: {dict(self.stats.dropped)}"
                 )
             try:
-                item = await asyncio.wait_for(self.queue.get(), remaining)
+                item = await asyncio.wait_for(bucket.get(), remaining)
             except TimeoutError:
                 continue
             if isinstance(item, BaseException):
                 raise item
             if self._keep(item, step):
                 groups.append(item)
+            else:
+                self.assigned[step] -= 1  # make room for a replacement
+        del self.buckets[step]
         return groups
 
     def _samples(self, groups: list[Group]) -> tuple[list[TrainSample], list[dict]]:
@@ -247,6 +261,7 @@ class Orchestrator:
 
     async def run(self, resume_step: int = 0) -> None:
         history = self._resume(resume_step)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         await self.pool.wait_healthy()
         followers = asyncio.gather(self._follow_policies(), self._producer())
         metrics_path = self.run_dir / "orchestrator_metrics.jsonl"
@@ -280,6 +295,8 @@ class Orchestrator:
                         followers.result()
         finally:
             followers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await followers
             await self.pool.close()
 
 

@@ -1,0 +1,124 @@
+"""The orchestrator loop against an in-process fake inference pool and a fake trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tandem.config.orchestrator import OrchestratorConfig
+from tandem.orchestrator.main import Orchestrator
+from tandem.orchestrator.pool import Completion
+from tandem.transport.batches import read_batch
+from tandem.transport.policies import latest_policy, mark_complete, policy_dir
+
+
+class FakePool:
+    """Answers reverse_text prompts: group g gets `g % 3` wrong answers... all wrong when g % 3 == 0."""
+
+    def __init__(self, tokenizer, fail_every: int = 0):
+        self.tokenizer, self.version, self.idle_s = tokenizer, 0, 0.0
+        self.groups, self.fail_every, self.loaded = 0, fail_every, []
+
+    async def wait_healthy(self):
+        pass
+
+    async def generate(self, prompt_ids, sampling, n, seed):
+        from tandem.eval.client import RequestError
+
+        group, self.groups = self.groups, self.groups + 1
+        await asyncio.sleep(0.001)
+        if self.fail_every and group % self.fail_every == 1:
+            raise RequestError("5xx", "server said no", status=500)
+        text = self.tokenizer.decode(prompt_ids).split("\n\n")[-1].split("<|im_end|>")[0]
+        right = self.tokenizer(text[::-1] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        wrong = self.tokenizer("no idea<|im_end|>", add_special_tokens=False)["input_ids"]
+        completions = []
+        for i in range(n):
+            ids = right if (group % 3 and i < group % 3) else wrong
+            completions.append(Completion(list(ids), [-0.5] * len(ids), [self.version] * len(ids), "stop", None))
+        return completions
+
+    async def load_policy(self, path, version):
+        self.loaded.append(version)
+        self.version = version
+
+    async def close(self):
+        pass
+
+
+async def fake_trainer(run_dir, max_steps):
+    """Publishes policy N once batch N exists, like the trainer would after training it."""
+    for step in range(1, max_steps + 1):
+        while not (run_dir / "batches" / f"step-{step:06d}.safetensors").exists():
+            await asyncio.sleep(0.01)
+        path = policy_dir(run_dir / "policies", step)
+        path.mkdir(parents=True)
+        mark_complete(path)
+
+
+def make_config(tmp_path, model_dir, **overrides):
+    values = {
+        "model": str(model_dir), "seq_len": 256, "batch_size": 8, "group_size": 4, "max_steps": 4,
+        "output_dir": str(tmp_path), "run_name": "run", "source": [{"id": "reverse_text"}],
+    }  # fmt: skip
+    values.update(overrides)
+    return OrchestratorConfig.model_validate(values)
+
+
+def run(config, pool):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    pool.tokenizer = tokenizer
+    orchestrator = Orchestrator(config, tokenizer, pool)
+
+    async def both():
+        await asyncio.gather(orchestrator.run(config.resume_step), fake_trainer(config.run_dir, config.max_steps))
+
+    asyncio.run(asyncio.wait_for(both(), 60))
+    return [json.loads(line) for line in (config.run_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_batch_is_full_and_filtered_groups_are_replaced(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, tiny_model_dir("qwen3"))
+    pool = FakePool(None, fail_every=5)
+    metrics = run(config, pool)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for step in range(1, 5):
+        micros, header = read_batch(config.run_dir / "batches", step, 0, 1)
+        assert header["num_samples"] == 8
+        advantages = micros[0]["advantages"][micros[0]["target_ids"] != -100]
+        assert advantages.abs().sum() > 0  # zero-advantage groups were filtered out
+        weights = sum(float(m["loss_weights"].sum()) for m in micros)
+        assert weights == pytest.approx(1.0)
+    dropped = {k: sum(m.get(k, 0) for m in metrics) for k in ("dropped/zero_advantage", "dropped/error")}
+    assert dropped["dropped/zero_advantage"] > 0 and dropped["dropped/error"] > 0
+    assert 0 < metrics[0]["reward"] < 1
+    assert pool.loaded and latest_policy(config.run_dir / "policies") == 4
+
+
+def test_async_level_bounds_how_far_inference_runs_ahead(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=0, max_steps=3)
+    metrics = run(config, FakePool(None))
+    # async_level 0: batch N is sampled only with policy N-1
+    for m in metrics:
+        assert m["staleness"] == {"1": 8}, m
+
+
+def test_stale_groups_are_dropped(tiny_model_dir, tmp_path):
+    # async_level 2 lets batch N start with policy N-3; max_off_policy_steps 1 keeps only policy N-1.
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=2, max_off_policy_steps=1, max_steps=4)
+    metrics = run(config, FakePool(None))
+    assert sum(m.get("dropped/stale", 0) for m in metrics) > 0
+    for m in metrics:
+        assert m["staleness"] == {"1": 8}
+
+
+def test_resume_restores_the_sampler(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), max_steps=2)
+    run(config, FakePool(None))
+    state = json.loads((config.run_dir / "orchestrator_state.json").read_text())["sampler"]
+    assert set(state) == {"1", "2"}
+    assert state["2"]["draws"] > state["1"]["draws"]
