@@ -45,7 +45,10 @@ def _free_port() -> int:
 
 
 def _devices(gpus: list[int]) -> dict[str, str]:
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+    """CUDA_VISIBLE_DEVICES for a child; on CPU, one thread each so three processes do not oversubscribe."""
+    if gpus:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    return {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
 
 
 def _start(name: str, command: list[str], run_dir: Path, env: dict[str, str]) -> Child:
