@@ -99,3 +99,12 @@ def test_full_model_backends_agree_per_layer(model_dir):
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="unknown MoE backend 'triton'"):
         MoE(64, 32, 4, 2, True, backend="triton")
+
+
+def test_balanced_routing_gives_every_expert_the_same_tokens():
+    logits = torch.randn(12, 8)
+    weights, experts = route(logits, top_k=2, norm_topk_prob=True, balanced=True)
+    assert torch.equal(experts.flatten().bincount(minlength=8), torch.full((8,), 3))
+    assert all(len(set(row.tolist())) == 2 for row in experts)  # distinct experts per token
+    chosen = logits.softmax(-1).gather(-1, experts)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))

@@ -10,6 +10,7 @@ from .config import ConfigError, ModelArgs, MoEArgs, RopeArgs, read_hf_config
 from .decoder import CausalLM, DecoderBlock
 from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache
 from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
+from .nll_sum import fused_nll_sum
 from .registry import ARCHITECTURES, get_architecture
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "TokenLogprobs",
     "build_model",
     "cross_entropy",
+    "fused_nll_sum",
     "get_architecture",
     "hf_tensors",
     "iter_runtime_tensors",

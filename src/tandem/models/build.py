@@ -13,7 +13,7 @@ from .checkpoint import load_weights
 from .config import ModelArgs, read_hf_config
 from .registry import ARCHITECTURES, get_architecture
 
-RUNTIME_OPTIONS = ("attn_backend", "moe_backend", "freeze_router")
+RUNTIME_OPTIONS = ("attn_backend", "moe_backend", "freeze_router", "moe_balanced_routing", "rope_backend")
 
 ModelConfig = ModelArgs | Mapping[str, Any] | str | Path
 
@@ -22,7 +22,8 @@ def model_args(config: ModelConfig, **runtime: Any) -> ModelArgs:
     """ModelArgs from ModelArgs, a `config.json` dict, or a path to a HF directory / config file.
 
     `runtime` sets options HF configs do not have: attn_backend ("auto" | "sdpa" | "flex"), moe_backend
-    (a name from `MOE_BACKENDS`, or one per layer), freeze_router.
+    (a name from `MOE_BACKENDS`, or one per layer), freeze_router, moe_balanced_routing (benchmarks: every
+    expert gets the same number of tokens), rope_backend (a name from `ROPE_BACKENDS`).
     """
     unknown = set(runtime) - set(RUNTIME_OPTIONS)
     if unknown:

@@ -79,6 +79,8 @@ class ModelArgs:
     attn_backend: str = "auto"
     moe_backend: str | tuple[str, ...] = "grouped_mm"
     freeze_router: bool = False
+    moe_balanced_routing: bool = False  # benchmarks: round-robin experts, every expert gets the same tokens
+    rope_backend: str = "torch"  # a name in layers.rope.ROPE_BACKENDS
     hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

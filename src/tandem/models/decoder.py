@@ -17,6 +17,7 @@ from .layers.moe import Experts, MoE
 from .layers.norm import RMSNorm
 from .layers.rope import RotaryEmbedding
 from .logprobs import DEFAULT_CHUNK_SIZE, TokenLogprobs, token_logprobs
+from .nll_sum import fused_nll_sum
 
 
 class DecoderBlock(nn.Module):
@@ -38,6 +39,7 @@ class DecoderBlock(nn.Module):
                 moe.norm_topk_prob,
                 backend=args.moe_backend_for(layer_idx),
                 freeze_router=args.freeze_router,
+                balanced_routing=args.moe_balanced_routing,
             )
         else:
             self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
@@ -102,6 +104,7 @@ class CausalLM(nn.Module):
         kept_ids: torch.Tensor | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         with_entropy: bool = True,
+        nll_sum: bool = False,
     ) -> torch.Tensor | TokenLogprobs:
         """Score a batch `[B, S]`; returns logits `[B, S, V]` unless asked otherwise.
 
@@ -111,12 +114,16 @@ class CausalLM(nn.Module):
         targets: return `TokenLogprobs` of these ids (chunked; full logits are never formed) with the given
             temperature / kept_ids (see `logprobs.token_logprobs`) — the training path. SFT can skip the
             entropy with `with_entropy=False`.
+        nll_sum: with targets (temperature 1, no kept_ids), return SFT's summed NLL as a scalar instead, its
+            gradient formed in the same chunked pass (see `nll_sum.fused_nll_sum`).
         """
         batch, seq = input_ids.shape
         attn = attention_inputs(self.args.attn_backend, input_ids.device, position_ids, attention_mask)
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         hidden = self.hidden_states(input_ids, position_ids, attn)
+        if targets is not None and nll_sum:
+            return fused_nll_sum(hidden, self.lm_head_weight, targets, chunk_size=chunk_size)
         if targets is not None:
             return token_logprobs(
                 hidden,

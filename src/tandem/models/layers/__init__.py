@@ -5,10 +5,11 @@ from .kv_cache import CacheBatch, KVCache
 from .mlp import GatedMLP
 from .moe import MOE_BACKENDS, MoE, route
 from .norm import RMSNorm
-from .rope import RotaryEmbedding, apply_rope, inv_frequencies, rope_cos_sin
+from .rope import ROPE_BACKENDS, RotaryEmbedding, apply_rope, inv_frequencies, rope_cos_sin
 
 __all__ = [
     "MOE_BACKENDS",
+    "ROPE_BACKENDS",
     "Attention",
     "AttnInputs",
     "CacheBatch",

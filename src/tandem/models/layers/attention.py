@@ -21,7 +21,7 @@ from torch import nn
 from ..config import ModelArgs
 from .kv_cache import CacheBatch, KVCache
 from .norm import RMSNorm
-from .rope import apply_rope
+from .rope import ROPE_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,9 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx, self.head_dim = layer_idx, args.head_dim
+        if args.rope_backend not in ROPE_BACKENDS:
+            raise ValueError(f"unknown rope_backend {args.rope_backend!r}; known: {sorted(ROPE_BACKENDS)}")
+        self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, args.rope_backend
         self.sizes = (
             args.num_heads * args.head_dim,
             args.num_kv_heads * args.head_dim,
@@ -143,7 +145,7 @@ class Attention(nn.Module):
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, cos, sin)
+        q, k = ROPE_BACKENDS[self.rope_backend](q, k, cos, sin)
         if attn.cache is not None and attn.cache_batch is not None:
             out = cached_attention(q[0], k[0], v[0], attn.cache, attn.cache_batch, self.layer_idx, self.scale)
         else:

@@ -21,10 +21,22 @@ logger = logging.getLogger(__name__)
 MoEBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, top-k, optional renormalisation; weights are cast back to the logits dtype (as HF does)."""
+def route(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, balanced: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, top-k, optional renormalisation; weights are cast back to the logits dtype (as HF does).
+
+    `balanced` (benchmarks only) replaces the top-k choice by a round-robin one, so every expert gets the same
+    number of tokens, like torchtitan's `debug.moe_force_load_balance`: throughput then does not depend on how
+    a random router happens to split the batch.
+    """
     probs = logits.softmax(dim=-1, dtype=torch.float32)
-    weights, experts = probs.topk(top_k, dim=-1)
+    if balanced:
+        slots = torch.arange(probs.shape[0] * top_k, device=probs.device).view(-1, top_k)
+        experts = slots % probs.shape[-1]
+        weights = probs.gather(-1, experts)
+    else:
+        weights, experts = probs.topk(top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
@@ -114,7 +126,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + experts. `freeze_router` detaches the router weight so it never gets a gradient."""
+    """Router + experts. `freeze_router` detaches the router weight so it never gets a gradient;
+    `balanced_routing` (benchmarks) gives every expert the same number of tokens (see `route`)."""
 
     def __init__(
         self,
@@ -125,6 +138,7 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         backend: str = "grouped_mm",
         freeze_router: bool = False,
+        balanced_routing: bool = False,
     ) -> None:
         super().__init__()
         if backend not in MOE_BACKENDS:
@@ -132,15 +146,18 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.backend, self.freeze_router = backend, freeze_router
+        self.backend, self.freeze_router, self.balanced_routing = backend, freeze_router, balanced_routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         router_weight = self.router.weight.detach() if self.freeze_router else self.router.weight
-        weights, experts = route(F.linear(x, router_weight), self.top_k, self.norm_topk_prob)
+        weights, experts = route(F.linear(x, router_weight), self.top_k, self.norm_topk_prob, self.balanced_routing)
         out = MOE_BACKENDS[self.backend](x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
-        return f"top_k={self.top_k}, backend={self.backend!r}, freeze_router={self.freeze_router}"
+        return (
+            f"top_k={self.top_k}, backend={self.backend!r}, freeze_router={self.freeze_router}, "
+            f"balanced_routing={self.balanced_routing}"
+        )

@@ -94,6 +94,13 @@ def apply_rope(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# `rope_backend` names. Kernels that must match `apply_rope` bit for bit (tandem.kernels.rope) are registered by
+# their user, since this package imports nothing else of tandem.
+ROPE_BACKENDS: dict[str, RopeFn] = {"torch": apply_rope}
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the frequency table as a non-persistent buffer (never in checkpoints) and produces cos/sin."""
 

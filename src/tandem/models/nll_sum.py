@@ -1,0 +1,80 @@
+"""SFT's loss, the summed NLL of the targets, with its gradient computed in the same chunked pass.
+
+`token_logprobs` keeps the backward general (any gradient per token, entropy, temperatures, kept sets), so it
+recomputes every chunk of logits in the backward: a fourth LM-head matmul, and its weight gradient in fp32.
+A plain sum has a gradient known up to one scalar, so here each chunk's `softmax - onehot` is formed once, in
+the forward, and both gradient matmuls run right away in the model dtype; the backward only scales them.
+The LM head then costs the three matmuls any training step needs, and at most one chunk of logits and
+its gradient exist at a time. Logits are computed as `token_logprobs` does (matmul in the model dtype,
+softmax in fp32); on CUDA the per-chunk softmax and gradient are one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .logprobs import DEFAULT_CHUNK_SIZE, IGNORE_INDEX
+
+
+def _nll_and_grad(
+    logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NLL `[rows]` (fp32, 0 where not `valid`) and its gradient with respect to `logits`, in the logits dtype."""
+    z = logits.float()
+    lse = z.logsumexp(dim=-1, keepdim=True)
+    nll = (lse - z.gather(1, targets[:, None])).squeeze(1) * valid
+    is_target = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
+    grad = ((z - lse).exp() - is_target.float()) * valid[:, None]
+    return nll, grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_nll_and_grad():
+    return torch.compile(_nll_and_grad, dynamic=False)
+
+
+class _FusedNllSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+        valid = targets != IGNORE_INDEX
+        safe_targets = targets.masked_fill(~valid, 0)
+        step = _compiled_nll_and_grad() if hidden.is_cuda else _nll_and_grad
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for s in range(0, hidden.shape[0], chunk_size):
+            e = min(s + chunk_size, hidden.shape[0])
+            nll, grad_logits = step(hidden[s:e] @ weight.T, safe_targets[s:e], valid[s:e])
+            total += nll.sum()
+            if grad_hidden is not None:
+                grad_hidden[s:e] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ hidden[s:e]  # each chunk in the model dtype, summed in fp32
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def fused_nll_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """`-sum(log_softmax(hidden @ weight.T)[target])` over targets that are not IGNORE_INDEX; a scalar (fp32).
+
+    hidden `[..., H]`, weight `[V, H]`, targets `[...]`. Differentiable in hidden and weight; the result must be
+    used as a loss (its gradient is formed in the forward, so it costs memory for `[V, H]` in fp32 until the
+    backward).
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return _FusedNllSum.apply(flat, weight, targets.reshape(-1), chunk_size)
