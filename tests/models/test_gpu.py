@@ -70,19 +70,21 @@ def test_cuda_grouped_mm_matches_loop(tokens):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
-def test_bf16_model_as_close_to_fp32_as_transformers(model_dir):
-    path = model_dir("qwen3_moe")
-    ids = torch.randint(3, 500, (2, 64), device="cuda")
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_bf16_model_as_close_to_fp32_as_transformers(model_dir, arch):
+    """Dense models: in MoE models bf16 rounding flips near-tied router choices, a lottery for both sides."""
+    path = model_dir(arch)
+    ids = torch.randint(3, 500, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     logits = {}
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
-            kw = {"dtype": dtype, "attn_implementation": "eager", "experts_implementation": "eager"}
+            kw = {"dtype": dtype, "attn_implementation": "eager"}
             logits["hf", dtype] = AutoModelForCausalLM.from_pretrained(path, **kw).cuda().eval()(ids).logits
             logits["ours", dtype] = load_model(path, dtype=dtype, device="cuda")(ids)
     truth = logits["hf", torch.float32]
     assert _rel_err(logits["ours", torch.float32], truth) < 1e-5
     ours, theirs = _rel_err(logits["ours", torch.bfloat16], truth), _rel_err(logits["hf", torch.bfloat16], truth)
-    print(f"bf16 relative logit error vs fp32: tandem {ours:.4f}, transformers {theirs:.4f}")
+    print(f"{arch} bf16 relative logit error vs fp32: tandem {ours:.4f}, transformers {theirs:.4f}")
     assert ours < 1.5 * theirs + 1e-3
 
 
