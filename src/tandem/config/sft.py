@@ -28,6 +28,28 @@ class DeployConfig(Section):
     """Trainer processes on this machine; above 1, `tandem sft` launches torchrun itself."""
 
 
+SdpaBackend = Literal["cudnn", "flash", "efficient", "math"]
+
+
+class SftSpeedConfig(Section):
+    """Switches that trade memory or generality for speed; benchmarks/sft_throughput.py measures each one."""
+
+    fused_loss: bool = False
+    """SFT loss with its gradient formed in the forward pass (no logits recomputed in backward; +[V, H] fp32)."""
+    fused_optimizer: bool = False
+    """AdamW as torch's fused kernel over all parameters (fused=True) instead of the foreach loop."""
+    sdpa_backends: tuple[SdpaBackend, ...] = ()
+    """SDPA kernels to try, in this order (empty: PyTorch's own order), e.g. ["cudnn", "flash"] on Hopper."""
+    rope_kernel: Literal["torch", "triton"] = "torch"
+    """RoPE as torch ops, or as one Triton kernel (GPU; bit for bit the same result)."""
+    moe_balanced_routing: bool = False
+    """Benchmarks only: route tokens round-robin so every expert gets the same count (not a real router)."""
+    sync_debug: Literal["off", "warn", "error"] = "off"
+    """Flag host-device syncs inside steps after the first (torch.cuda.set_sync_debug_mode; GPU only)."""
+    save_final: bool = True
+    """Write the final training checkpoint and Hugging Face export (benchmarks turn this off)."""
+
+
 class SftConfig(TrainingRunConfig):
     command: ClassVar[str] = "sft"
 
@@ -39,3 +61,5 @@ class SftConfig(TrainingRunConfig):
     """Training data."""
     deploy: DeployConfig = DeployConfig()
     """Processes to launch."""
+    speed: SftSpeedConfig = SftSpeedConfig()
+    """Throughput switches (examples/advanced/*/sft-max-perf.toml turns them on)."""

@@ -64,8 +64,26 @@ def balance(rows: list[PackedRow], world_size: int) -> list[list[PackedRow]]:
 
 
 def stack(rows: list[PackedRow], device: torch.device) -> dict[str, torch.Tensor]:
-    """A micro-batch `[B, seq_len]` of the rows' tensors, on `device`."""
+    """A micro-batch `[B, seq_len]` of the rows' tensors, on `device`.
+
+    On a GPU the rows go through pinned memory: a copy from pageable memory waits for the GPU to drain
+    its queue first (a host-device sync), one from pinned memory is queued behind the work already there.
+    """
+    pin = device.type == "cuda"
     return {
-        name: torch.stack([getattr(row, name) for row in rows]).to(device, non_blocking=True)
+        name: _pinned(torch.stack([getattr(row, name) for row in rows]), pin).to(device, non_blocking=True)
         for name in ("input_ids", "position_ids", "target_ids", "loss_mask")
     }
+
+
+def _pinned(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    return tensor.pin_memory() if pin else tensor
+
+
+def single_documents(rows: list[PackedRow]) -> bool:
+    """True when every row is one document from position 0 to the end (fake data, full unpacked rows).
+
+    The model then needs no position ids: it takes plain causal attention (the fused SDPA kernels) instead
+    of a per-document mask or flex block mask, and computes the same function.
+    """
+    return all(int(row.position_ids[-1]) == len(row.position_ids) - 1 for row in rows)

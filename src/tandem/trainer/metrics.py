@@ -83,6 +83,11 @@ class StepTimer:
         return elapsed
 
 
+def peak_reserved_gib(device: torch.device) -> float | None:
+    """Peak memory the CUDA caching allocator held since the last reset (what torchtitan logs), or None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak tensor memory on a GPU since the last reset; on CPU, the process's peak resident set size."""
     if device.type == "cuda":

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
 from tandem.models import ModelArgs, build_model, load_model, save_model
+from tandem.models.layers.rope import ROPE_BACKENDS
 from tandem.trainer.metrics import flops_per_token
 from tandem.trainer.parallel import DTYPES, World, shard_model
 
@@ -39,6 +40,15 @@ def runtime_options(config: ModelConfig, freeze_router_default: bool) -> dict:
     }
 
 
+def rope_backend(name: str) -> str:
+    """`name` as the models' `rope_backend`; the Triton kernel (which models may not import) is registered here."""
+    if name == "triton" and name not in ROPE_BACKENDS:
+        from tandem.kernels.rope import apply_rope_triton
+
+        ROPE_BACKENDS[name] = apply_rope_triton
+    return name
+
+
 def active_params(model: torch.nn.Module, args: ModelArgs) -> int:
     """Non-embedding parameters one token uses: MoE layers count only the top-k experts."""
     total = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
@@ -50,14 +60,17 @@ def active_params(model: torch.nn.Module, args: ModelArgs) -> int:
     return total
 
 
-def build_training_model(config, world: World) -> tuple[torch.nn.Module, ModelInfo]:
-    """fp32 master weights on the device, blocks wrapped for AC and compile, then fully_shard."""
+def build_training_model(config, world: World, **runtime_extra) -> tuple[torch.nn.Module, ModelInfo]:
+    """fp32 master weights on the device, blocks wrapped for AC and compile, then fully_shard.
+
+    `runtime_extra`: more model runtime options (`tandem.models.RUNTIME_OPTIONS`) from the command's config.
+    """
     if not config.model.name:
         raise ConfigError(
             "set model.name to a Hugging Face model directory (config.json, and weights unless random_init)"
         )
     source = Path(config.model.name)
-    runtime = runtime_options(config.model, freeze_router_default=config.command == "trainer")
+    runtime = runtime_options(config.model, freeze_router_default=config.command == "trainer") | runtime_extra
     if config.random_init:
         model = build_model(source, dtype=torch.float32, device=world.device, seed=config.seed, **runtime)
     else:

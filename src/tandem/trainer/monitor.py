@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tandem.config import ConfigError
-from tandem.trainer.metrics import MetricsWriter, StepTimer, device_peak_flops, peak_memory_gib
+from tandem.trainer.metrics import MetricsWriter, StepTimer, device_peak_flops, peak_memory_gib, peak_reserved_gib
 from tandem.trainer.parallel import World
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Monitor:
             if self.peak_flops
             else None,
             peak_memory_gib=peak_memory_gib(self.world.device),
+            peak_reserved_gib=peak_reserved_gib(self.world.device),
             time=time.time(),
         )
         self.writer.write(record)

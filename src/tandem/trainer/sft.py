@@ -6,6 +6,7 @@ or by hand as `torchrun --nproc-per-node N -m tandem.trainer.sft @ config.toml` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -17,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import ConfigError, load_config, to_toml
-from tandem.config.sft import SftConfig
+from tandem.config.sft import SftConfig, SftSpeedConfig
 from tandem.run import atomic_write_text, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
-from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, stack
+from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_documents, stack
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
-from tandem.trainer.model import build_training_model, export_hf
+from tandem.trainer.model import build_training_model, export_hf, rope_backend
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import World, init_distributed
 from tandem.trainer.schedule import build_scheduler
@@ -85,6 +86,35 @@ def _check_split(config: SftConfig, world: World) -> int:
     return per_rank
 
 
+_SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def _sdpa_priority(names: tuple[str, ...]) -> contextlib.AbstractContextManager:
+    """SDPA kernels in the given order of preference (read when a block is traced, so compiled blocks too)."""
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _SDPA[name]) for name in names], set_priority=True)
+
+
+@contextlib.contextmanager
+def _sync_check(mode: str, device: torch.device, active: bool):
+    """Warn or fail on host-device syncs inside the block; the first step is exempt (it compiles and autotunes)."""
+    if mode == "off" or device.type != "cuda" or not active:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _model_runtime(speed: SftSpeedConfig) -> dict:
+    return {"rope_backend": rope_backend(speed.rope_kernel), "moe_balanced_routing": speed.moe_balanced_routing}
+
+
 def train(config: SftConfig) -> int:
     world = init_distributed()
     if world.is_main:
@@ -93,7 +123,8 @@ def train(config: SftConfig) -> int:
         setup_logging("warning")
     torch.manual_seed(config.seed)
     micro_steps = _check_split(config, world)
-    model, info = build_training_model(config, world)
+    speed = config.speed
+    model, info = build_training_model(config, world, **_model_runtime(speed))
     steps = build_steps(config, info.vocab_size)
     optimizer = torch.optim.AdamW(
         model.parameters(),
@@ -101,6 +132,7 @@ def train(config: SftConfig) -> int:
         betas=config.optim.betas,
         eps=config.optim.eps,
         weight_decay=config.optim.weight_decay,
+        fused=speed.fused_optimizer,
     )
     scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
     ckpt_root = config.run_dir / "checkpoints"
@@ -112,27 +144,24 @@ def train(config: SftConfig) -> int:
     try:
         for step in range(start_step, config.max_steps):
             monitor.start_step()
-            batch = steps(step)
-            global_loss_tokens = sum(int(row.loss_mask.sum()) for row in batch)
-            mine = balance(batch, world.world_size)[world.rank]
-            loss_sum = torch.zeros((), device=world.device)
-            for micro in range(micro_steps):
-                rows = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-                inputs = stack(rows, world.device)
-                model.set_requires_gradient_sync(micro == micro_steps - 1)
-                targets = inputs["target_ids"].masked_fill(~inputs["loss_mask"], -100)
-                nll = -model(
-                    inputs["input_ids"], inputs["position_ids"], targets=targets, chunk_size=config.loss_chunk_size
-                ).logprobs.sum()
-                # FSDP averages gradients over ranks; scaling by world size makes the result the sum
-                # over every rank's tokens divided by the global token count, however the batch is split.
-                (nll * (world.world_size / global_loss_tokens)).backward()
-                loss_sum += nll.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            with _sync_check(speed.sync_debug, world.device, active=step > start_step):
+                batch = steps(step)
+                global_loss_tokens = sum(int(row.loss_mask.sum()) for row in batch)
+                mine = balance(batch, world.world_size)[world.rank]
+                loss_sum = torch.zeros((), device=world.device)
+                for micro in range(micro_steps):
+                    rows = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+                    model.set_requires_gradient_sync(micro == micro_steps - 1)
+                    nll = _micro_batch_nll(model, rows, config, world.device)
+                    # FSDP averages gradients over ranks; scaling by world size makes the result the sum
+                    # over every rank's tokens divided by the global token count, however the batch is split.
+                    (nll * (world.world_size / global_loss_tokens)).backward()
+                    loss_sum += nll.detach()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             monitor.end_step(
                 step + 1,
                 sums={"loss": loss_sum / global_loss_tokens},
@@ -144,14 +173,31 @@ def train(config: SftConfig) -> int:
                 ckpt.save_checkpoint(ckpt_root, done, model, optimizer, scheduler, {}, config.ckpt.keep)
             if config.ckpt.hf_interval and done % config.ckpt.hf_interval == 0 and done < config.max_steps:
                 export_hf(model, info, config.run_dir / "hf" / f"step-{done:06d}", world, config.model.dtype)
-        ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, {}, config.ckpt.keep)
-        export_hf(model, info, config.run_dir / "hf" / "final", world, config.model.dtype)
+        if speed.save_final:
+            ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, {}, config.ckpt.keep)
+            export_hf(model, info, config.run_dir / "hf" / "final", world, config.model.dtype)
     finally:
         monitor.close()
-    if world.is_main:
+    if world.is_main and speed.save_final:
         logger.info("done: %d steps; Hugging Face checkpoint in %s", config.max_steps, config.run_dir / "hf" / "final")
     dist.destroy_process_group()
     return 0
+
+
+def _micro_batch_nll(model: torch.nn.Module, rows: list, config: SftConfig, device: torch.device) -> torch.Tensor:
+    """Summed NLL of one micro-batch's loss tokens (a scalar to backpropagate)."""
+    inputs = stack(rows, device)
+    targets = inputs["target_ids"].masked_fill(~inputs["loss_mask"], -100)
+    positions = None if single_documents(rows) else inputs["position_ids"]
+    with _sdpa_priority(config.speed.sdpa_backends):
+        if config.speed.fused_loss:
+            return model(
+                inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, nll_sum=True
+            )
+        out = model(
+            inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, with_entropy=False
+        )
+    return -out.logprobs.sum()
 
 
 def launch(config: SftConfig) -> int:

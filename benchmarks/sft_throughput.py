@@ -1,0 +1,251 @@
+"""SFT throughput on one GPU: tandem's max-perf recipe against torchtitan, on the same shapes, data and settings.
+
+    python benchmarks/sft_throughput.py --out results.json     # the full run (benchmarks/RESULTS.md)
+    python benchmarks/sft_throughput.py --smoke                # tiny shapes, 3 steps each: does everything start?
+
+Each run is a separate process through the trainer's own entry point: `python -m tandem sft @
+examples/advanced/<model>/sft-max-perf.toml --data.fake ...` (random init, balanced MoE routing, no final
+checkpoint) and `torchrun -m torchtitan.train` with benchmarks/titan_spec.py (torchtitan's Qwen3 on the same
+shape, the same random tokens). Both: bf16 compute, fp32 weights and AdamW state, no activation checkpointing,
+blocks compiled with fullgraph=True, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launcher
+sets it). Throughput is tokens over wall time of the steps after `--warmup`; memory is the peak the allocator
+reserved in those steps (what torchtitan logs). MFU is against 989 TFLOP/s (torchtitan's H100/H200 bf16 peak)
+with torchtitan's formula 6·N + 12·L·H·D·S (full, not causal-halved, attention), given twice: N as torchtitan
+counts it (a tied LM head is left out) and as tandem counts it (the LM head matmul is in). After the head-to-head
+runs come ablations (the recipe with one switch undone) and a profile of tandem's top GPU kernels, as long as
+`--budget-s` lasts. The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench_shapes import SHAPES
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_FLOPS = 989e12
+RECIPES = {
+    "dense": "examples/advanced/qwen3-1.7b/sft-max-perf.toml",
+    "moe": "examples/advanced/qwen3-moe/sft-max-perf.toml",
+}
+TITAN_LINE = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
+
+
+@dataclass
+class Run:
+    name: str
+    trainer: str  # "tandem" | "torchtitan"
+    shape: str
+    batch: int
+    seq_len: int
+    steps: int
+    flags: list[str] = field(default_factory=list)  # extra tandem flags on top of the recipe
+    profile: bool = False
+
+
+@dataclass
+class Result:
+    run: Run
+    tokens_per_s: float = 0.0
+    peak_reserved_gib: float = 0.0
+    flops_per_token: float = 0.0  # as this trainer counts them
+    seconds: float = 0.0
+    error: str = ""
+    top_kernels: list[tuple[str, float]] = field(default_factory=list)
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")) if p)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+
+
+def _execute(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a trainer in its own process group, so a timeout also ends torchrun's worker (and frees the GPU)."""
+    process = subprocess.Popen(
+        command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _measured(values: list[dict], warmup: int) -> list[dict]:
+    kept = [v for v in values if v["step"] > warmup]
+    if not kept:
+        raise RuntimeError(f"no steps after the {warmup} warm-up steps")
+    return kept
+
+
+def run_tandem(run: Run, work: Path, warmup: int, timeout: float) -> Result:
+    shape = SHAPES[run.shape]
+    model_dir = work / f"model-{run.shape}"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(shape.hf_config()))
+    recipe = RECIPES["moe" if shape.moe else "dense"]
+    command = [
+        sys.executable, "-m", "tandem", "sft", "@", str(ROOT / recipe), "--model.name", str(model_dir), "--random-init",
+        "--data.fake", "--seq-len", str(run.seq_len), "--batch-size", str(run.batch), "--micro-batch-size", str(run.batch),
+        "--max-steps", str(run.steps), "--speed.no-save-final", "--output-dir", str(work), "--run-name", run.name,
+        "--log.level", "warning", *(["--speed.moe-balanced-routing"] if shape.moe else []), *run.flags,
+    ]  # fmt: skip
+    if run.profile:
+        command = [sys.executable, str(ROOT / "benchmarks" / "profile_sft.py"), str(warmup), *command[4:]]
+    out = _execute(command, timeout)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    records = _measured(
+        [json.loads(line) for line in (work / run.name / "metrics.jsonl").read_text().splitlines()], warmup
+    )
+    tokens, seconds = sum(r["tokens"] for r in records), sum(r["step_time_s"] for r in records)
+    mfu = records[-1]["mfu"] or 0.0
+    result = Result(run, tokens / seconds, max(r["peak_reserved_gib"] or 0.0 for r in records))
+    result.flops_per_token = mfu * PEAK_FLOPS / records[-1]["tokens_per_s"]
+    if run.profile:
+        result.top_kernels = [tuple(row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
+    return result
+
+
+def run_torchtitan(run: Run, work: Path, warmup: int, timeout: float) -> Result:
+    shape = SHAPES[run.shape]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "torchtitan.train",
+        "--experimental.custom_import", "titan_spec", "--model.name", "qwen3_bench", "--model.flavor", run.shape,
+        "--training.seq_len", str(run.seq_len), "--training.local_batch_size", str(run.batch),
+        "--training.steps", str(run.steps), "--training.dtype", "float32", "--training.mixed_precision_param",
+        "bfloat16", "--training.max_norm", "1.0", "--optimizer.name", "AdamW", "--optimizer.lr", "1e-5",
+        "--optimizer.eps", "1e-8", "--optimizer.weight_decay", "0.0", "--optimizer.implementation", "fused",
+        "--lr_scheduler.warmup_steps", "0", "--activation_checkpoint.mode", "none", "--compile.enable",
+        "--compile.components", "model,loss", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+        "--job.dump_folder", str(work / run.name), *(["--debug.moe_force_load_balance"] if shape.moe else []),
+    ]  # fmt: skip
+    out = _execute(command, timeout)
+    log = out.stdout + out.stderr
+    (work / f"{run.name}.log").write_text(log)
+    if out.returncode:
+        raise RuntimeError(log[-3000:])
+    steps = [
+        {"step": int(m[1]), "mem": float(m[2]), "tps": float(m[3].replace(",", "")), "mfu": float(m[4])}
+        for m in TITAN_LINE.finditer(log)
+    ]
+    records = _measured(steps, warmup)
+    tokens = run.batch * run.seq_len * len(records)
+    result = Result(run, tokens / sum(run.batch * run.seq_len / r["tps"] for r in records))
+    result.peak_reserved_gib = max(r["mem"] for r in records)
+    result.flops_per_token = records[-1]["mfu"] / 100 * PEAK_FLOPS / records[-1]["tps"]
+    return result
+
+
+def plan(smoke: bool) -> list[Run]:
+    """Head-to-head runs first, then profiles and ablations in the order they are worth device time."""
+    if smoke:
+        return [
+            Run("torchtitan-tiny-moe", "torchtitan", "tiny-moe", 2, 512, 3),
+            Run("tandem-tiny-moe", "tandem", "tiny-moe", 2, 512, 3, ["--speed.sync-debug", "error"]),
+            Run("tandem-tiny-triton-rope", "tandem", "tiny", 2, 512, 3, ["--speed.rope-kernel", "triton"]),
+        ]
+    dense, moe = ("qwen3-1.7b", 4, 4096), ("qwen3-30b-a3b-6l", 2, 4096)
+    runs = [
+        Run("torchtitan-dense", "torchtitan", *dense, 12),
+        Run("tandem-dense", "tandem", *dense, 12),
+        Run("torchtitan-moe", "torchtitan", *moe, 12),
+        Run("tandem-moe", "tandem", *moe, 12),
+        Run("profile-tandem-dense", "tandem", *dense, 6, profile=True),
+        Run("profile-tandem-moe", "tandem", *moe, 6, profile=True),
+    ]
+    ablations = [
+        ("dense", "-fused-loss", ["--speed.no-fused-loss"]),
+        ("dense", "-fused-adamw", ["--speed.no-fused-optimizer"]),
+        ("dense", "-cudnn-first", ["--speed.sdpa-backends", "[]"]),
+        ("dense", "+triton-rope", ["--speed.rope-kernel", "triton"]),
+        ("dense", "-compile", ["--no-compile"]),
+        ("moe", "-fused-loss", ["--speed.no-fused-loss"]),
+        ("moe", "loop-experts", ["--model.moe-backend", "loop", "--no-fullgraph"]),
+    ]
+    for kind, name, flags in ablations:
+        shape = dense if kind == "dense" else moe
+        runs.append(Run(f"tandem-{kind}{name}", "tandem", *shape, 8, flags))
+    return runs
+
+
+def table(results: list[Result]) -> str:
+    """One line per run; ratios against torchtitan on the same shape, MFU under both parameter counts."""
+    titan = {r.run.shape: r for r in results if r.run.trainer == "torchtitan" and not r.error}
+    lines = [f"{'run':30} {'tok/s':>9} {'MFU tt':>7} {'MFU td':>7} {'peak GiB':>9} {'vs titan':>9}  flags"]
+    for r in results:
+        if r.error:
+            lines.append(f"{r.run.name:30} failed: {r.error.strip().splitlines()[-1][:80] if r.error.strip() else '?'}")
+            continue
+        if r.run.profile:
+            continue
+        base = titan.get(r.run.shape)
+        ours = [x for x in results if x.run.shape == r.run.shape and x.run.trainer == "tandem" and not x.error]
+        counts = {
+            "torchtitan": base.flops_per_token if base else None,
+            "tandem": ours[0].flops_per_token if ours else None,
+        }
+        mfu = {k: f"{100 * v * r.tokens_per_s / PEAK_FLOPS:6.1f}%" if v else "    n/a" for k, v in counts.items()}
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:8.3f}x" if base else "      n/a"
+        lines.append(
+            f"{r.run.name:30} {r.tokens_per_s:9,.0f} {mfu['torchtitan']:>7} {mfu['tandem']:>7} "
+            f"{r.peak_reserved_gib:9.1f} {ratio}  {' '.join(r.run.flags)}"
+        )
+    for r in results:
+        if r.run.profile and r.top_kernels:
+            lines.append(f"\ntop GPU kernels, {r.run.name} (share of GPU time):")
+            lines.extend(f"  {share:5.1f}%  {name[:110]}" for name, share in r.top_kernels)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3 steps: check that every run starts")
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the measurement")
+    parser.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
+    parser.add_argument("--out", type=Path, help="write every result here as JSON")
+    args = parser.parse_args()
+    warmup = 1 if args.smoke else args.warmup
+    start, results = time.monotonic(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in plan(args.smoke):
+            left = args.budget_s - (time.monotonic() - start)
+            if left < 30:
+                print(f"skipped {run.name}: budget spent", flush=True)
+                continue
+            began = time.monotonic()
+            try:
+                runner = run_tandem if run.trainer == "tandem" else run_torchtitan
+                result = runner(run, Path(tmp), warmup, timeout=left)
+            except Exception as error:  # a failed run is reported in the table; the others still run
+                result = Result(run, error=f"{type(error).__name__}: {error}")
+            result.seconds = time.monotonic() - began
+            results.append(result)
+            status = (
+                result.error.strip().splitlines()[-1] if result.error.strip() else f"{result.tokens_per_s:,.0f} tok/s"
+            )
+            print(f"{run.name}: {status} ({result.seconds:.0f} s)", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps([{**vars(r), "run": vars(r.run)} for r in results], indent=1))
+    print("\n" + table(results))
+
+
+if __name__ == "__main__":
+    main()
