@@ -61,7 +61,7 @@ COMMANDS = {
             "inference",
             "Serve a model over the OpenAI HTTP API plus token-in generation and admin routes.",
             "tandem.config.inference:InferenceConfig",
-            issue=5,
+            "tandem.inference.main:run",
         ),
         Command(
             "orchestrator",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field
@@ -17,4 +18,28 @@ class InferenceConfig(RunConfig):
     port: int = Field(8000, ge=0, le=65535)
     """TCP port to listen on (0 picks a free one)."""
     admin_token: str | None = None
-    """Bearer token required by /update_weights, /pause and /resume."""
+    """Bearer token required by /update_weights, /pause and /resume (default: $TANDEM_ADMIN_TOKEN, if set)."""
+    served_model_name: str = ""
+    """Model id clients ask for and /v1/models lists (default: the model directory's name)."""
+    weights_dir: Path | None = None
+    """Directory /update_weights may load checkpoints from, subfolders included (default: output_dir)."""
+    device: str = "auto"
+    """Device to run on: auto (CUDA when available), cpu, cuda or cuda:N."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV-cache block."""
+    kv_cache_blocks: int = Field(0, ge=0)
+    """KV-cache size in blocks; 0 sizes it from gpu_memory_utilization on CUDA, and to at most 1 GiB on CPU."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of the GPU's memory that weights, KV cache and activations may use together."""
+    max_running: int = Field(256, ge=1)
+    """Most sequences in the running batch (each of a request's n samples counts)."""
+    max_prefill_tokens: int = Field(2048, ge=1)
+    """Prompt tokens prefilled per engine step; longer prompts are split over steps, between decode steps."""
+    cuda_graphs: bool = True
+    """Replay decode steps from CUDA graphs, one per batch-size bucket (CUDA only)."""
+    cuda_graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    """Batch-size buckets decode steps are padded to for CUDA graphs; larger steps run eagerly."""
+    compile: bool = False
+    """torch.compile the decode step (fewer, fused kernels; adds compile time at start-up)."""
+    max_logprobs: int = Field(20, ge=0)
+    """Largest top_logprobs / logprobs a request may ask for."""

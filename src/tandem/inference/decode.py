@@ -1,0 +1,68 @@
+"""One decode step (a new token per sequence) over fixed-capacity inputs, built entirely on the device.
+
+`KVCache.batch` validates lengths on the host and sizes the step to its longest sequence, which suits
+prefill. Decode steps instead take one int64 tensor `[N, 2 + W]` per step (token, cached length, then W
+block-table entries, padded with the scratch block) and derive every `CacheBatch` index from it with tensor
+ops, over a key capacity of `W * block_size` positions. Shapes depend only on (N, W), so the very same
+function runs eagerly or is captured once per (N, W) bucket as a CUDA graph (`cuda_graphs.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tandem.inference.scheduler import SCRATCH_BLOCK
+from tandem.models import CacheBatch, CausalLM, KVCache
+
+
+def decode_batch(lengths: torch.Tensor, tables: torch.Tensor, block_size: int) -> CacheBatch:
+    """The `CacheBatch` of one new token per row at position `lengths[i]`, keys over `tables` `[N, W]`."""
+    rows = torch.arange(tables.shape[0], device=tables.device)
+    offsets = torch.arange(block_size, device=tables.device)
+    read_index = (tables[:, :, None] * block_size + offsets).flatten(1)
+    key_positions = torch.arange(read_index.shape[1], device=tables.device)
+    block = tables.gather(1, (lengths // block_size)[:, None])[:, 0]
+    return CacheBatch(
+        positions=lengths,
+        write_index=block * block_size + lengths % block_size,
+        unpack_index=rows[:, None],
+        pack_index=rows,
+        read_index=read_index,
+        mask=(key_positions[None, :] <= lengths[:, None])[:, None, None, :],
+        last_index=rows,
+    )
+
+
+def decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
+    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row."""
+    return model.decode(inputs[:, 0], cache, decode_batch(inputs[:, 1], inputs[:, 2:], cache.block_size))
+
+
+def decode_inputs(
+    tokens: Sequence[int], lengths: Sequence[int], tables: Sequence[Sequence[int]], rows: int, width: int
+) -> torch.Tensor:
+    """The host tensor `[rows, 2 + width]` for `decode_step`; rows past the real ones are padding (scratch)."""
+    data = [
+        [token, length, *table, *[SCRATCH_BLOCK] * (width - len(table))]
+        for token, length, table in zip(tokens, lengths, tables, strict=True)
+    ]
+    data += [[0, 0, *[SCRATCH_BLOCK] * width]] * (rows - len(data))
+    return torch.tensor(data, dtype=torch.int64)
+
+
+StepFunction = Callable[[CausalLM, KVCache, torch.Tensor], torch.Tensor]
+"""`decode_step`, or a compiled version of it."""
+
+
+class EagerDecoder:
+    """Decode steps run op by op, sized to the step (any device)."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, step: StepFunction = decode_step) -> None:
+        self.model, self.cache, self.step = model, cache, step
+
+    def __call__(self, tokens: Sequence[int], lengths: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        width = max(len(table) for table in tables)
+        inputs = decode_inputs(tokens, lengths, tables, len(tokens), width).to(self.cache.device)
+        return self.step(self.model, self.cache, inputs)

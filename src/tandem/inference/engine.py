@@ -1,0 +1,520 @@
+"""The engine: continuous batching over the project's own model, on a background thread.
+
+Each step: the scheduler picks the work (`scheduler.py`); one forward prefills every prompt chunk of the step
+(`CausalLM.prefill`), requests with n > 1 fork once their prompt is cached, one forward decodes a token for
+every running sequence (`decode.py`, under CUDA graphs when enabled), and one sampler call draws the next
+token of every sequence that has its whole context cached (`sampling.py`). Tokens are then recorded with
+their logprob, mask and policy version, stop conditions are checked, and updates go to the requests.
+
+Only the engine thread touches the model, the cache and the scheduler. Other threads send commands
+(`submit`, `cancel`, `pause`, `resume`, `swap_weights`, `stop`) through a queue that is drained between
+steps, so a weight swap happens between two steps: in-flight requests pause, the weights change in place,
+and they continue (their cached keys and values stay; every token records the version that produced it).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.cuda_graphs import GraphedDecoder
+from tandem.inference.decode import EagerDecoder, decode_step
+from tandem.inference.kv_budget import block_bytes, kv_cache_blocks
+from tandem.inference.masks import encode_mask
+from tandem.inference.outputs import RequestUpdate, SampleRecord, SampleUpdate
+from tandem.inference.protocol import FinishReason, SamplingParams
+from tandem.inference.sampling import Sampler, SamplingBatch
+from tandem.inference.scheduler import BlockAllocator, Request, Scheduler, Sequence
+from tandem.inference.weights import copy_weights
+from tandem.models import CausalLM, KVCache
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RATE_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    """Sequences holding KV cache (decoding or part-way through their prompt)."""
+    waiting_requests: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_per_s: float
+    """Generated tokens per second over the last RATE_WINDOW_S seconds."""
+    generated_tokens: int
+    prompt_tokens: int
+    requests_finished: int
+    requests_aborted: int
+    preemptions: int
+    steps: int
+    policy_version: int
+    paused: bool
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """Scheduler sizes, published by the engine thread after every step and command batch (safe to read)."""
+
+    running: int = 0
+    waiting_requests: int = 0
+    kv_blocks_used: int = 0
+
+
+class Collector:
+    """A request's updates accumulated into its n samples (what a non-streaming caller waits for)."""
+
+    def __init__(self, n: int) -> None:
+        self.samples = [SampleRecord() for _ in range(n)]
+        self.prompt_tokens = 0
+        self.finished = False
+        self.error: str | None = None
+
+    def add(self, update: RequestUpdate) -> list[SampleUpdate]:
+        for sample in update.samples:
+            self.samples[sample.sample].extend(sample)
+        self.prompt_tokens = update.prompt_tokens
+        self.finished = update.finished
+        self.error = update.error or self.error
+        return update.samples
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: InferenceConfig,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.config, self.tokenizer = config, tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        args = model.args
+        self.device = model.lm_head_weight.device
+        self.dtype = model.lm_head_weight.dtype
+        self.vocab_size, self.max_model_len = args.vocab_size, config.seq_len
+        num_blocks = kv_cache_blocks(config, args, self.dtype, self.device)
+        self.cache = KVCache(
+            args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, self.dtype, self.device
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            config.block_size,
+            num_blocks * block_bytes(args, config.block_size, self.dtype) / 2**30,
+        )
+        self.scheduler = Scheduler(
+            BlockAllocator(num_blocks), config.block_size, config.max_running, config.max_prefill_tokens
+        )
+        self.usable_blocks = num_blocks - 1 - self.scheduler.watermark
+        self.decoder = self._decoder()
+        self.sampler = Sampler()
+        self.version = 0
+        self.paused = False
+        self.error: str | None = None
+        self._requests: dict[str, Request] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._rate: deque[tuple[float, int]] = deque()
+        self._rate_lock = threading.Lock()
+        self._counts = {"generated": 0, "prompt": 0, "finished": 0, "aborted": 0, "steps": 0}
+        self.gauges = Gauges()
+
+    def _decoder(self) -> EagerDecoder | GraphedDecoder:
+        step = decode_step
+        if self.config.compile:
+            step = torch.compile(decode_step, dynamic=True)
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            max_blocks = -(-self.max_model_len // self.config.block_size)
+            sizes = [b for b in self.config.cuda_graph_batch_sizes if b <= self.config.max_running]
+            return GraphedDecoder(self.model, self.cache, sizes, max_blocks, step)
+        return EagerDecoder(self.model, self.cache, step)
+
+    # --- the public interface (any thread) ---
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Abort whatever is in flight and end the engine thread."""
+        self._stopping = True
+        self._commands.put(lambda: None)
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(
+        self,
+        prompt: Iterable[int],
+        params: SamplingParams,
+        on_update: Callable[[RequestUpdate], None],
+        *,
+        n: int = 1,
+        stream: bool = False,
+        detokenize: bool = False,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (naming the problem) for one the engine cannot serve.
+
+        `on_update` is called on the engine thread: every step the request progresses when `stream`, else once
+        at the end; the last update has `finished=True`. `detokenize` adds text (stop strings cut it).
+        """
+        prompt = list(prompt)
+        max_tokens = self._check(prompt, params, n, detokenize)
+        request = Request(
+            id=request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            params=params,
+            n=n,
+            seed=params.seed if params.seed is not None else secrets.randbits(64),
+            max_tokens=max_tokens,
+            stream=stream,
+            detokenize=detokenize,
+            on_update=on_update,
+        )
+        self._commands.put(lambda: self._add(request))
+        return request.id
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request (finish reason "abort") and free its cache; unknown or finished ids are ignored."""
+        self._commands.put(lambda: self._abort(request_id))
+
+    def pause(self) -> Future[None]:
+        """Stop stepping (requests stay queued or in the batch with their cache); resolves once no step runs."""
+        return self._call(lambda: setattr(self, "paused", True))
+
+    def resume(self) -> Future[None]:
+        return self._call(lambda: setattr(self, "paused", False))
+
+    def swap_weights(self, tensors: dict[str, torch.Tensor], version: int) -> Future[float]:
+        """Copy `weights.read_weights` tensors into the model between two steps; resolves to the pause in s."""
+        return self._call(lambda: self._swap(tensors, version))
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int = 1,
+        *,
+        detokenize: bool = False,
+        timeout: float | None = None,
+    ) -> list[list[SampleRecord]]:
+        """Blocking convenience: run prompts to completion, returning `n` samples per prompt."""
+        collectors = [Collector(n) for _ in prompts]
+        done = [threading.Event() for _ in prompts]
+
+        def on_update(index: int) -> Callable[[RequestUpdate], None]:
+            def add(update: RequestUpdate) -> None:
+                collectors[index].add(update)
+                if update.finished:
+                    done[index].set()
+
+            return add
+
+        for index, prompt in enumerate(prompts):
+            self.submit(prompt, params, on_update(index), n=n, detokenize=detokenize)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for event in done:
+            if not event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"generation did not finish within {timeout} s")
+        errors = [c.error for c in collectors if c.error]
+        if errors:
+            raise RuntimeError(errors[0])
+        return [c.samples for c in collectors]
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        with self._rate_lock:
+            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+                self._rate.popleft()
+            span = now - self._rate[0][0] if self._rate else 0.0
+            rate = sum(count for _, count in self._rate) / span if span > 0 else 0.0
+        gauges = self.gauges
+        return EngineStats(
+            running=gauges.running,
+            waiting_requests=gauges.waiting_requests,
+            kv_blocks_used=gauges.kv_blocks_used,
+            kv_blocks_total=self.scheduler.allocator.num_blocks - 1,
+            tokens_per_s=rate,
+            generated_tokens=self._counts["generated"],
+            prompt_tokens=self._counts["prompt"],
+            requests_finished=self._counts["finished"],
+            requests_aborted=self._counts["aborted"],
+            preemptions=self.scheduler.preemptions,
+            steps=self._counts["steps"],
+            policy_version=self.version,
+            paused=self.paused,
+        )
+
+    def _check(self, prompt: list[int], params: SamplingParams, n: int, detokenize: bool) -> int:
+        """Validate a request; returns its max_tokens."""
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; the context is {self.max_model_len} (seq_len), "
+                "which leaves no room for a completion"
+            )
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context "
+                f"is {self.max_model_len} (seq_len), so at most {room} tokens can be generated"
+            )
+        max_tokens = params.max_tokens or room
+        blocks = -(-(len(prompt) + max_tokens) // self.config.block_size)
+        if blocks > self.usable_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens ({len(prompt) + max_tokens} tokens) needs {blocks} KV-cache blocks; "
+                f"the server has {self.usable_blocks} (raise kv_cache_blocks, or lower max_tokens)"
+            )
+        if n > self.config.max_running:
+            raise ValueError(f"n={n} is more than the server runs at once (max_running={self.config.max_running})")
+        if params.top_logprobs > self.config.max_logprobs:
+            raise ValueError(f"top_logprobs={params.top_logprobs} is above the server's max_logprobs")
+        if (params.stop or detokenize) and self.tokenizer is None:
+            raise ValueError("stop strings and text output need a tokenizer; this engine has none")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
+        return max_tokens
+
+    def _call(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as error:
+                future.set_exception(error)
+
+        self._commands.put(run)
+        return future
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                idle = self.paused or not self._requests
+                self._drain(block=idle)
+                if self._stopping or self.paused or not self._requests:
+                    continue
+                try:
+                    if not self._step():
+                        self._drain(block=True, timeout=0.01)
+                except Exception as error:
+                    logger.exception("engine step failed; aborting the requests in flight")
+                    for request_id in list(self._requests):
+                        self._abort(request_id, f"engine step failed: {type(error).__name__}: {error}")
+                self._publish()
+        except BaseException as error:
+            self.error = f"engine thread died: {type(error).__name__}: {error}"
+            logger.exception(self.error)
+        finally:
+            for request_id in list(self._requests):
+                self._abort(request_id, self.error or "the engine stopped")
+
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish()
+
+    def _publish(self) -> None:
+        scheduler = self.scheduler
+        self.gauges = Gauges(len(scheduler.running), scheduler.num_waiting_requests, scheduler.allocator.num_used)
+
+    def _add(self, request: Request) -> None:
+        self._requests[request.id] = request
+        self.scheduler.add(request, self.tokenizer)
+        self._counts["prompt"] += len(request.prompt)
+
+    def _abort(self, request_id: str, error: str | None = None) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        self.scheduler.abort(request)
+        for seq in request.sequences:
+            if seq.record.finish_reason is None:
+                seq.record.finish_reason = "abort"
+        self._counts["aborted"] += 1
+        self._emit(request, error)
+
+    def _swap(self, tensors: dict[str, torch.Tensor], version: int) -> float:
+        started = time.monotonic()
+        try:
+            copy_weights(self.model, tensors)
+        except BaseException as error:
+            self.error = f"a weight swap failed part-way; the model is inconsistent: {error}"
+            raise
+        self.version = version
+        logger.info("policy version %d loaded", version)
+        return time.monotonic() - started
+
+    def _step(self) -> bool:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return False
+        version = self.version
+        logits: list[torch.Tensor] = []
+        ready: list[Sequence] = []
+        if plan.prefill:
+            prefill_logits, prefill_ready = self._prefill(plan.prefill)
+            if prefill_ready:
+                logits.append(prefill_logits)
+                ready += prefill_ready
+        if plan.decode:
+            logits.append(self._decode(plan.decode))
+            ready += plan.decode
+        if ready:
+            batch = SamplingBatch.build(
+                [seq.request.params for seq in ready],
+                [seq.request.seed for seq in ready],
+                [seq.sample for seq in ready],
+                [len(seq.record.token_ids) for seq in ready],
+                self.device,
+            )
+            sampled = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
+            self._record(ready, sampled.tokens, sampled.logprobs, sampled.kept, sampled.top, version)
+        self._counts["steps"] += 1
+        return True
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the step's prompt chunks; returns logits rows for the sequences now ready to sample."""
+        seqs = [seq for seq, _ in chunks]
+        ids = [token for seq, take in chunks for token in seq.tokens[seq.num_cached : seq.num_cached + take]]
+        width = max(len(seq.blocks) for seq in seqs)
+        tables = [seq.blocks + [-1] * (width - len(seq.blocks)) for seq in seqs]
+        batch = self.cache.batch([take for _, take in chunks], [seq.num_cached for seq in seqs], tables)
+        logits = self.model.prefill(torch.tensor(ids, device=self.device), self.cache, batch)
+        rows: list[int] = []
+        ready: list[Sequence] = []
+        for row, (seq, take) in enumerate(chunks):
+            seq.num_cached += take
+            if seq.pending:
+                continue
+            group = [seq]
+            if seq.request.unforked:
+                children, copies = self.scheduler.fork(seq, self.tokenizer)
+                self._copy_blocks(copies)
+                group += children
+            rows += [row] * len(group)
+            ready += group
+        return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], ready
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        logits = self.decoder(
+            [seq.tokens[-1] for seq in seqs], [seq.num_cached for seq in seqs], [seq.blocks for seq in seqs]
+        )
+        for seq in seqs:
+            seq.num_cached += 1
+        return logits
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        source = torch.tensor([s for s, _ in copies], device=self.device)
+        target = torch.tensor([t for _, t in copies], device=self.device)
+        for layer in self.cache.k + self.cache.v:
+            layer.index_copy_(0, target, layer[source])
+
+    def _record(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        logprobs: list[float],
+        kept: list[list[int] | None],
+        top: list[list[tuple[int, float]]] | None,
+        version: int,
+    ) -> None:
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for row, seq in enumerate(seqs):
+            request, record, token = seq.request, seq.record, tokens[row]
+            params = request.params
+            if request.first_token_at is None:
+                request.first_token_at = now
+            seq.tokens.append(token)
+            record.token_ids.append(token)
+            record.logprobs.append(logprobs[row])
+            record.versions.append(version)
+            if params.truncates:
+                ids = kept[row]
+                record.masks.append(None if ids is None else encode_mask(ids, self.vocab_size))
+            if params.top_logprobs and top is not None:
+                record.top_logprobs.append(top[row][: params.top_logprobs])
+            finish = self._finish(seq, token)
+            if finish is not None:
+                record.finish_reason, record.stop_reason = finish
+                self.scheduler.finish(seq)
+            touched[request.id] = request
+        with self._rate_lock:
+            self._rate.append((now, len(seqs)))
+        self._counts["generated"] += len(seqs)
+        for request in touched.values():
+            self._emit(request)
+
+    def _finish(self, seq: Sequence, token: int) -> tuple[FinishReason, str | int | None] | None:
+        params = seq.request.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if seq.detokenizer is not None:
+            stopped = seq.detokenizer.push(token)
+            seq.record.text = seq.detokenizer.text
+            if stopped:
+                return "stop", seq.detokenizer.stopped_by
+        if len(seq.record.token_ids) >= seq.request.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _emit(self, request: Request, error: str | None = None) -> None:
+        done = request.done
+        if not (request.stream or done):
+            return
+        samples = []
+        for seq in request.sequences:
+            record = seq.record
+            finished = record.finish_reason is not None
+            text_end = seq.detokenizer.stable_length(finished) if request.detokenize and seq.detokenizer else 0
+            if len(record.token_ids) == seq.sent_tokens and text_end == seq.sent_chars and seq.sent_finish == finished:
+                continue
+            samples.append(record.since(seq.sent_tokens, seq.sent_chars, text_end, seq.sample))
+            seq.sent_tokens, seq.sent_chars, seq.sent_finish = len(record.token_ids), text_end, finished
+        if done:
+            request.finished_at = time.monotonic()
+            del self._requests[request.id]
+            self._counts["finished"] += 1
+        try:
+            request.on_update(RequestUpdate(request.id, samples, done, len(request.prompt), error))
+        except Exception:
+            logger.exception("a request's update callback failed")

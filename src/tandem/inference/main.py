@@ -1,0 +1,178 @@
+"""`tandem inference --model DIR`: load the model, start the engine, serve HTTP until SIGTERM or Ctrl-C.
+
+Once the server accepts connections it prints `tandem inference listening on http://HOST:PORT` and writes
+`<run_dir>/server.json` (`{"url", "pid", "model"}`, atomically), so a parent that passed `--port 0` finds
+the port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from tandem.config import ConfigError
+from tandem.config.inference import InferenceConfig
+from tandem.inference.engine import Engine
+from tandem.inference.server import InferenceServer
+from tandem.models import load_model, model_args
+from tandem.run import atomic_write_text, prepare_run_dir
+
+logger = logging.getLogger(__name__)
+
+ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: stop serving and exit cleanly."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _model_dir(config: InferenceConfig) -> Path:
+    if not config.model.name:
+        raise ConfigError("no model to serve: pass --model DIR (a Hugging Face model directory)")
+    path = Path(config.model.name).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"model `{config.model.name}` is not a local directory (the server never downloads from a hub; "
+            "download the model first and pass its directory)"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    return path
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ConfigError(f"device `{name}`: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device `{name}`: CUDA is not available on this machine")
+    return device
+
+
+def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
+    """EOS ids from `generation_config.json` (an id or a list) and the tokenizer."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+        ids |= set(value) if isinstance(value, list) else {value} if isinstance(value, int) else set()
+    return ids
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as error:
+        raise ConfigError(f"cannot load the tokenizer of {model_dir}: {error}") from None
+
+
+def run(config: InferenceConfig) -> int:
+    model_dir = _model_dir(config)
+    admin_token = config.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    if not is_loopback(config.host) and admin_token is None:
+        raise ConfigError(
+            f"binding {config.host} exposes the admin routes beyond this machine: set --admin-token "
+            f"(or ${ADMIN_TOKEN_ENV}), or bind 127.0.0.1"
+        )
+    device = _device(config.device)
+    max_positions = model_args(model_dir).max_position_embeddings
+    if config.seq_len > max_positions:
+        raise ConfigError(
+            f"seq_len {config.seq_len} is longer than the model's max_position_embeddings {max_positions}"
+        )
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+    run_dir = prepare_run_dir(config)
+    engine = None
+    try:
+        model = load_model(
+            model_dir,
+            dtype=getattr(torch, config.model.dtype),
+            device=device,
+            attn_backend=config.model.attn_backend,
+            moe_backend=config.model.moe_backend,
+            freeze_router=config.model.freeze_router,
+        )
+        tokenizer = _tokenizer(model_dir)
+        engine = Engine(
+            model, config, tokenizer=_tokenizer(model_dir), eos_token_ids=eos_token_ids(model_dir, tokenizer)
+        )
+        engine.start()
+        name = config.served_model_name or model_dir.resolve().name
+        logger.info(
+            "serving %s as `%s` on %s (%s), context %d", model_dir, name, device, config.model.dtype, config.seq_len
+        )
+        server = InferenceServer(
+            engine, tokenizer, name, admin_token=admin_token, weights_dir=config.weights_dir or config.output_dir
+        )
+        asyncio.run(_serve(server.app(), config, run_dir, name))
+    except _Terminated:
+        logger.info("stopping on SIGTERM")
+    finally:
+        if engine is not None:
+            engine.stop()
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {error}") from None
+    return sock
+
+
+async def _serve(app: Any, config: InferenceConfig, run_dir: Path, name: str) -> None:
+    sock = _listen(config.host, config.port)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=config.log.level == "debug",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            lifespan="off",
+        )
+    )
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        atomic_write_text(run_dir / "server.json", json.dumps({"url": url, "pid": os.getpid(), "model": name}) + "\n")
+        print(f"tandem inference listening on {url}", flush=True)
+    await serving

@@ -1,0 +1,84 @@
+"""What the engine reports about a request: per-sample records, and the updates it sends as they grow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.inference.protocol import FinishReason, SampleOutput
+
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class SampleRecord:
+    """Everything one sample has produced so far; `SampleUpdate`s extend it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    masks: list[str | None] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    def since(self, tokens: int, chars: int, text_end: int, sample: int) -> SampleUpdate:
+        """What was added after the first `tokens` tokens and `chars` characters (text up to `text_end`)."""
+        return SampleUpdate(
+            sample=sample,
+            token_ids=self.token_ids[tokens:],
+            logprobs=self.logprobs[tokens:],
+            masks=self.masks[tokens:],
+            versions=self.versions[tokens:],
+            top_logprobs=self.top_logprobs[tokens:],
+            text=self.text[chars:text_end],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def extend(self, update: SampleUpdate) -> None:
+        self.token_ids += update.token_ids
+        self.logprobs += update.logprobs
+        self.masks += update.masks
+        self.versions += update.versions
+        self.top_logprobs += update.top_logprobs
+        self.text += update.text
+        self.finish_reason, self.stop_reason = update.finish_reason, update.stop_reason
+
+    def to_output(self, *, with_masks: bool, with_top: bool) -> SampleOutput:
+        return SampleOutput(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            masks=self.masks if with_masks else None,
+            versions=self.versions,
+            finish_reason=self.finish_reason or "abort",
+            stop_reason=self.stop_reason,
+            top_logprobs=self.top_logprobs if with_top else None,
+        )
+
+
+@dataclass(frozen=True)
+class SampleUpdate:
+    """What one sample added since the last update (for non-streaming requests: all of it, once, at the end)."""
+
+    sample: int
+    token_ids: list[int]
+    logprobs: list[float]
+    masks: list[str | None]
+    versions: list[int]
+    top_logprobs: list[TopLogprobs]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """Sent from the engine thread once per step for each streaming request that progressed, and at the end."""
+
+    request_id: str
+    samples: list[SampleUpdate]
+    finished: bool
+    prompt_tokens: int
+    error: str | None = None
+    """Set when the engine failed this request (finish_reason is then "abort")."""

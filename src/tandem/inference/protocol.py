@@ -1,0 +1,335 @@
+"""What goes over the wire: the token-in `/generate` contract, the admin bodies and the OpenAI subset served.
+
+Pydantic only (no torch), so the orchestrator and other clients import these without an engine. Requests
+forbid unknown fields and are validated strictly (no "0.5" for a float, no 1 for a bool), so a typo or a wrong
+type is a 400 that names the field rather than a silently ignored setting. docs/inference.md documents them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FinishReason = Literal["stop", "length", "abort"]
+MAX_STOP_STRINGS = 16
+
+
+class WireModel(BaseModel):
+    """Responses (and the base of requests): unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RequestModel(WireModel):
+    """Requests: also strict about types."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SamplingParams(RequestModel):
+    """How one prompt is sampled. docs/inference.md#sampling says exactly what each knob does."""
+
+    temperature: float = Field(1.0, ge=0)
+    """0 is greedy (argmax; top_k/top_p/min_p are ignored)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Keep the smallest prefix of the sorted (top-k) distribution whose probability reaches top_p."""
+    top_k: int = Field(0, ge=-1)
+    """Keep the k most likely tokens; 0 or -1 turns it off."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Keep tokens at least min_p times as likely as the most likely one."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Most tokens to generate; unset: until the context (seq_len) is full."""
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    """Strings that end the completion (text endpoints and /generate alike); the text is cut before them."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end the completion (in addition to the model's EOS tokens); they are kept in it."""
+    ignore_eos: bool = False
+    """Keep generating past EOS tokens (benchmarks)."""
+    seed: int | None = None
+    """Per-request seed: the same seed, prompt and parameters give the same tokens, in any batch."""
+    top_logprobs: int = Field(0, ge=0)
+    """Also return the top-N tokens and logprobs at each step (N at most the server's max_logprobs)."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling may drop tokens (and so reports a mask per token)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+# --- /generate: token ids in, token ids, logprobs and masks out (the training-rollout path) ---
+
+
+class GenerateRequest(RequestModel):
+    prompt_token_ids: list[int] | list[list[int]] = Field(min_length=1)
+    """One prompt, or several (each sampled n times)."""
+    n: int = Field(1, ge=1)
+    """Samples per prompt; they share the prompt's prefill."""
+    sampling: SamplingParams = SamplingParams()
+    model: str | None = None
+    """If set, must be the served model name."""
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        ids = self.prompt_token_ids
+        return [ids] if isinstance(ids[0], int) else ids  # type: ignore[list-item]
+
+    @model_validator(mode="after")
+    def _no_empty_prompt(self) -> GenerateRequest:
+        if any(not prompt for prompt in self.prompts):
+            raise ValueError("prompt_token_ids: a prompt has no tokens")
+        return self
+
+
+class SampleOutput(WireModel):
+    token_ids: list[int]
+    """The completion, including the stop token that ended it (EOS or one of stop_token_ids)."""
+    logprobs: list[float]
+    """Per token: log-probability under the distribution it was sampled from (docs/inference.md#sampling)."""
+    masks: list[str | None] | None
+    """Per token: the kept ids (`tandem.inference.masks`), None where nothing was cut; None if never truncating."""
+    versions: list[int]
+    """Per token: the policy version of the weights that produced it."""
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the completion, if one did."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token: the top-N `(id, logprob)` pairs, most likely first, when top_logprobs > 0."""
+
+
+class PromptOutput(WireModel):
+    prompt_token_count: int
+    samples: list[SampleOutput]
+
+
+class GenerateResponse(WireModel):
+    id: str
+    model: str
+    policy_version: int
+    """The engine's policy version when the response was made."""
+    outputs: list[PromptOutput]
+    """One per prompt, in request order."""
+
+
+# --- admin ---
+
+
+class UpdateWeightsRequest(RequestModel):
+    path: str
+    """A Hugging Face checkpoint directory inside the server's weights_dir."""
+    version: int = Field(ge=0)
+    """The policy version tokens sampled with these weights record."""
+
+
+class UpdateWeightsResponse(WireModel):
+    policy_version: int
+    load_s: float
+    """Seconds spent reading the checkpoint (generation continued meanwhile)."""
+    pause_s: float
+    """Seconds generation was paused for the swap."""
+
+
+class EngineStatus(WireModel):
+    """`/health`, `/pause`, `/resume`."""
+
+    status: Literal["ok", "error"]
+    paused: bool
+    policy_version: int
+    error: str | None = None
+
+
+# --- OpenAI subset (plus the vLLM extensions top_k, min_p, stop_token_ids, ignore_eos, return_token_ids) ---
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class _OpenAIRequest(RequestModel):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+
+    def sampling(self, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            max_tokens=max_tokens,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            top_logprobs=top_logprobs,
+        )
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    """Return the sampled token's logprob and the top-N alternatives at each step."""
+    echo: Literal[False] = False
+
+
+class ContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message; extra keys (tool calls, names, reasoning) go to the chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            data["content"] = "".join(part.text for part in self.content)
+        return data
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)."""
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(WireModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(WireModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(WireModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(WireModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(WireModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(WireModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(WireModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatDelta(WireModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(WireModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(WireModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(WireModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    max_model_len: int
+
+
+class ModelList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

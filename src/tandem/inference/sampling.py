@@ -1,0 +1,217 @@
+"""The sampler: temperature, then top-k, top-p and min-p truncation, then a seeded draw; vectorised over rows.
+
+For each row (one sequence's next token) with temperature T > 0, on fp32 logits `l`:
+
+1. `z = l / T`; order tokens by `z`, most likely first (ties in the order the sort returns them);
+2. the kept set is the shortest prefix of that order allowed by all of: top-k (the first k), top-p (the
+   tokens whose exclusive cumulative probability, renormalised over the top-k, is below top_p), min-p (the
+   tokens with `p >= min_p * p_max`); at least one token is always kept;
+3. the token is drawn from `softmax(z)` restricted to the kept set, by the Gumbel-max trick with noise
+   computed by hashing (seed, sample index, step, token id): the same seed gives the same token whatever
+   else is in the batch, on any device;
+4. its logprob is `z[token] - logsumexp(z[kept])`: the log-probability under the distribution it was drawn
+   from, exactly what `tandem.models.token_logprobs(..., temperature=T, kept_ids=kept)` recomputes.
+
+T = 0 is greedy: the argmax of `l` (first index on ties), no truncation, logprob under `softmax(l)` (T = 1).
+Top-N logprobs are taken from the same final distribution (greedy: `softmax(l)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.inference.protocol import SamplingParams
+
+_MIX = (0x21F0AAAD, 0x735A2D97)  # below 2**31, so products with 32-bit values never overflow int64
+_MASK32 = 0xFFFFFFFF
+_SECOND_KEY = 0x5BD1E995
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash of non-negative int64 values below 2**32 (elementwise)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX[0]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX[1]) & _MASK32
+    return x ^ (x >> 15)
+
+
+def gumbel_noise(seeds: torch.Tensor, samples: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise `[R, W]` for token ids `ids` `[R, W]` (or `[W]`), keyed per row by seed/sample/step.
+
+    Two keyed hash rounds give one uniform 32-bit value per (row, token id); `-log(-log1p(-w))` keeps full
+    precision for the large values that decide the argmax.
+    """
+    stream = mix32(mix32(mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ samples)
+    key_a = mix32(stream ^ steps)[:, None]
+    key_b = mix32(key_a ^ _SECOND_KEY)
+    bits = mix32(mix32(ids ^ key_a) ^ key_b)
+    uniform = ((bits.float() + 0.5) * 2.0**-32).clamp_(max=1 - 2.0**-24)
+    return -torch.log(-torch.log1p(-uniform))
+
+
+def kept_counts(sorted_z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """How long a prefix of each row's descending tempered logits `[R, W]` top-k, top-p and min-p keep."""
+    width = sorted_z.shape[1]
+    relative = (sorted_z - sorted_z[:, :1]).exp()  # p / p_max
+    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
+    in_k = (torch.arange(width, device=sorted_z.device) < k[:, None]).float()
+    mass = relative * in_k
+    before = mass.cumsum(dim=-1) - mass
+    by_p = (before < top_p[:, None] * mass.sum(dim=-1, keepdim=True)).sum(dim=-1)
+    by_p = torch.where(top_p >= 1, width, by_p)
+    by_min_p = (relative >= min_p[:, None]).sum(dim=-1)
+    return torch.minimum(torch.minimum(k, by_p), by_min_p).clamp_(min=1)
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row parameters of one step on the logits' device, plus host-side row groups."""
+
+    temperature: torch.Tensor  # [R] fp32, 0 = greedy
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    top_k: torch.Tensor  # [R] int64, 0 = off
+    seeds: torch.Tensor  # [R] int64 (any 64-bit pattern)
+    samples: torch.Tensor  # [R] int64 sample index within its request
+    steps: torch.Tensor  # [R] int64 tokens the sample generated before this one
+    truncated: list[int]  # rows whose params may cut the distribution
+    plain: list[int]  # the other rows (greedy, or sampled from the whole vocabulary)
+    any_sampled_plain: bool
+    top_width: int  # the largest top_logprobs asked for (0: none)
+    top_k_width: int  # sort width for the truncated rows: max top_k when all of them set top_k, else 0 (all)
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        samples: Sequence[int],
+        steps: Sequence[int],
+        device: torch.device,
+    ) -> SamplingBatch:
+        floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
+        ints = torch.tensor(
+            [
+                [max(p.top_k, 0), _signed64(seed), sample, step]
+                for p, seed, sample, step in zip(params, seeds, samples, steps, strict=True)
+            ],
+            dtype=torch.int64,
+        )
+        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        truncated = [i for i, p in enumerate(params) if p.truncates]
+        plain = [i for i, p in enumerate(params) if not p.truncates]
+        cut = [params[i] for i in truncated]
+        return cls(
+            temperature=floats[:, 0],
+            top_p=floats[:, 1],
+            min_p=floats[:, 2],
+            top_k=ints[:, 0],
+            seeds=ints[:, 1],
+            samples=ints[:, 2],
+            steps=ints[:, 3],
+            truncated=truncated,
+            plain=plain,
+            any_sampled_plain=any(not params[i].greedy for i in plain),
+            top_width=max(p.top_logprobs for p in params),
+            top_k_width=max(p.top_k for p in cut) if cut and all(p.top_k > 0 for p in cut) else 0,
+        )
+
+
+def _signed64(seed: int) -> int:
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+@dataclass
+class Sampled:
+    """Host-side result per row."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    kept: list[list[int] | None]  # the kept ids (unordered) where the row truncated, else None
+    top: list[list[tuple[int, float]]] | None  # top_width (id, logprob) pairs per row, most likely first
+
+
+def _take(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return values if index is None else values[index]
+
+
+class Sampler:
+    """Samples the next token of every row of `[R, V]` logits in a few batched tensor ops per row group."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+        rows, vocab = logits.shape
+        logits = logits.float()
+        temperature = batch.temperature
+        z = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        out = Sampled([0] * rows, [0.0] * rows, [None] * rows, [[] for _ in range(rows)] if batch.top_width else None)
+        if batch.plain:
+            self._whole_vocab(z, batch, out)
+        if batch.truncated:
+            self._truncated(z, batch, out, vocab)
+        return out
+
+    def _whole_vocab(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled) -> None:
+        rows = batch.plain
+        index = torch.tensor(rows, device=z.device) if len(rows) < z.shape[0] else None
+        z = _take(z, index)
+        pick = z
+        if batch.any_sampled_plain:
+            ids = torch.arange(z.shape[1], device=z.device)
+            noise = gumbel_noise(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index), ids)
+            pick = torch.where(_take(batch.temperature, index)[:, None] > 0, z + noise, z)
+        tokens = pick.argmax(dim=-1)
+        lse = z.logsumexp(dim=-1)
+        logprobs = z.gather(1, tokens[:, None])[:, 0] - lse
+        top = z.topk(batch.top_width, dim=-1) if batch.top_width else None
+        self._store(out, rows, tokens, logprobs, top, lse, None)
+
+    def _truncated(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled, vocab: int) -> None:
+        rows = batch.truncated
+        index = torch.tensor(rows, device=z.device)
+        z = z[index]
+        if batch.top_k_width:
+            values, order = z.topk(min(batch.top_k_width, vocab), dim=-1)
+        else:
+            values, order = z.sort(dim=-1, descending=True)
+        counts = kept_counts(values, batch.top_k[index], batch.top_p[index], batch.min_p[index])
+        keep = torch.arange(values.shape[1], device=z.device) < counts[:, None]
+        masked = values.masked_fill(~keep, float("-inf"))
+        noise = gumbel_noise(batch.seeds[index], batch.samples[index], batch.steps[index], order)
+        choice = (masked + noise).argmax(dim=-1)
+        tokens = order.gather(1, choice[:, None])[:, 0]
+        lse = masked.logsumexp(dim=-1)
+        logprobs = values.gather(1, choice[:, None])[:, 0] - lse
+        width = min(batch.top_width, values.shape[1])
+        top = (masked[:, :width], order[:, :width]) if batch.top_width else None
+        widest = int(counts.max())
+        kept_flat = order[:, :widest][keep[:, :widest]].tolist()
+        kept, start = [], 0
+        for count in counts.tolist():
+            kept.append(kept_flat[start : start + count] if count < vocab else None)
+            start += count
+        self._store(out, rows, tokens, logprobs, top, lse, kept)
+
+    @staticmethod
+    def _store(
+        out: Sampled,
+        rows: list[int],
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        top: tuple[torch.Tensor, torch.Tensor] | None,
+        lse: torch.Tensor,
+        kept: list[list[int] | None] | None,
+    ) -> None:
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            out.tokens[row], out.logprobs[row] = token, logprob
+        if kept is not None:
+            for row, ids in zip(rows, kept, strict=True):
+                out.kept[row] = ids
+        if top is not None and out.top is not None:
+            values, ids = top
+            for row, row_values, row_ids in zip(rows, (values - lse[:, None]).tolist(), ids.tolist(), strict=True):
+                out.top[row] = [(i, v) for i, v in zip(row_ids, row_values, strict=True) if v != float("-inf")]

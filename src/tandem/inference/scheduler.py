@@ -1,0 +1,241 @@
+"""Which sequences run in the next step, and where their KV lives: admission, chunked prefill, preemption, n > 1.
+
+Every step decodes one token for each running sequence that has its whole context cached, continues
+prompts that are partly cached, and admits waiting requests first-come first-served while the KV-block
+budget, `max_running` and the step's prefill token budget allow. Blocks are allocated as sequences grow; when
+none is free, the newest running sequence is preempted: its blocks are freed and it waits again, to be
+prefilled from its prompt plus everything it generated (its outputs are kept; only the cache is recomputed).
+
+A request with n samples is admitted as one sequence. When its prompt is cached it forks into n: the children
+share the prompt's full blocks (reference-counted) and get a copy of the last, partly filled one, so no
+block is ever written by two sequences.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.inference.detokenize import IncrementalDetokenizer
+from tandem.inference.outputs import RequestUpdate, SampleRecord
+from tandem.inference.protocol import SamplingParams
+
+SCRATCH_BLOCK = 0
+"""Never allocated: padded rows of a fixed-shape decode step read and write here."""
+
+
+class BlockAllocator:
+    """Reference-counted KV blocks; block 0 is the scratch block."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs at least 2 blocks (one is scratch)")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"asked for {count} KV blocks, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+
+
+@dataclass(eq=False)
+class Request:
+    """One submitted prompt with its sampling parameters, sampled `n` times."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    n: int
+    seed: int
+    max_tokens: int
+    stream: bool
+    detokenize: bool
+    on_update: Callable[[RequestUpdate], None]
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    sequences: list[Sequence] = field(default_factory=list)
+    unforked: int = 0
+    """Samples still to fork from sample 0 once its prompt is cached."""
+
+    @property
+    def done(self) -> bool:
+        return not self.unforked and all(seq.record.finish_reason for seq in self.sequences)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: its tokens (prompt + generated), its cache blocks, and what it has produced."""
+
+    request: Request
+    sample: int
+    tokens: list[int]
+    detokenizer: IncrementalDetokenizer | None
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    record: SampleRecord = field(default_factory=SampleRecord)
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_finish: bool = False
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose K/V is not cached yet; 1 for a sequence that decodes."""
+        return len(self.tokens) - self.num_cached
+
+
+@dataclass
+class StepPlan:
+    """The work of one step: `(sequence, new tokens)` for prefill chunks, and the decoding sequences."""
+
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int, max_prefill_tokens: int) -> None:
+        self.allocator, self.block_size = allocator, block_size
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.watermark = max(1, allocator.num_blocks // 100)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len({id(seq.request) for seq in self.waiting})
+
+    def add(self, request: Request, tokenizer: Any) -> None:
+        first = self._new_sequence(request, 0, list(request.prompt), tokenizer)
+        request.sequences.append(first)
+        request.unforked = request.n - 1
+        self.waiting.append(first)
+
+    def _new_sequence(self, request: Request, sample: int, tokens: list[int], tokenizer: Any) -> Sequence:
+        needs_text = request.detokenize or bool(request.params.stop)
+        detokenizer = IncrementalDetokenizer(tokenizer, request.prompt, request.params.stop) if needs_text else None
+        return Sequence(request, sample, tokens, detokenizer)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_prefill_tokens
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            take = 1 if seq.pending == 1 else min(seq.pending, budget)
+            if take and not self._grow(seq, seq.num_cached + take):
+                continue  # `seq` itself was preempted; the same index now holds the next one
+            if take == 1 and seq.pending == 1:
+                plan.decode.append(seq)
+            elif take:
+                plan.prefill.append((seq, take))
+                budget -= take
+            index += 1
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            slots = 1 + seq.request.unforked if seq.sample == 0 else 1
+            take = min(seq.pending, budget)
+            needed = self._blocks_for(take) + (slots - 1)
+            if len(self.running) + slots > self.max_running or self.allocator.num_free - needed < self.watermark:
+                break
+            self.waiting.popleft()
+            seq.blocks = self.allocator.allocate(self._blocks_for(take))
+            self.running.append(seq)
+            (plan.decode.append(seq) if seq.pending == 1 else plan.prefill.append((seq, take)))
+            budget -= take
+        return plan
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Give `seq` blocks for `tokens` tokens, preempting newer sequences; False if `seq` itself had to go."""
+        needed = self._blocks_for(tokens) - len(seq.blocks)
+        while needed > self.allocator.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        seq.blocks += self.allocator.allocate(max(needed, 0))
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop `seq`'s cache and queue it first, to be prefilled again from all its tokens."""
+        self._drop(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _drop(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.release(seq.blocks)
+        seq.blocks, seq.num_cached = [], 0
+
+    def fork(self, parent: Sequence, tokenizer: Any) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """Sample 0's prompt is cached: make the other samples. Returns them and the `(src, dst)` block copies
+        the caller must make (the partly filled last block) before they run.
+
+        Children that get no block for that copy wait to be prefilled on their own instead.
+        """
+        request = parent.request
+        full, partial = divmod(parent.num_cached, self.block_size)
+        shared = parent.blocks[:full]
+        children, copies = [], []
+        for sample in range(1, request.unforked + 1):
+            child = self._new_sequence(request, sample, list(parent.tokens), tokenizer)
+            request.sequences.append(child)
+            if partial and self.allocator.num_free == 0:
+                self.waiting.appendleft(child)
+                continue
+            self.allocator.share(shared)
+            child.blocks = list(shared)
+            if partial:
+                (copy,) = self.allocator.allocate(1)
+                copies.append((parent.blocks[full], copy))
+                child.blocks.append(copy)
+            child.num_cached = parent.num_cached
+            children.append(child)
+        request.unforked = 0
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        return children, copies
+
+    def finish(self, seq: Sequence) -> None:
+        self._drop(seq)
+
+    def abort(self, request: Request) -> None:
+        """Remove every sequence of `request`, running or waiting, and free its blocks."""
+        for seq in request.sequences:
+            if seq in self.running:
+                self._drop(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+        request.unforked = 0

@@ -1,0 +1,73 @@
+"""Fixtures for the inference tests: tiny fp32 models, engines, and in-process servers on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from inference_support import INIT_STD, ServerThread, engine_config
+
+from tandem.inference.engine import Engine
+from tandem.inference.main import eos_token_ids
+from tandem.models import load_model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir):
+    """`model_dir(arch)`: a tiny HF directory (trained tokenizer, ChatML template) with INIT_STD weights."""
+
+    def make(arch: str = "qwen3") -> Path:
+        return tiny_model_dir(arch, initializer_range=INIT_STD)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir("qwen3"))
+
+
+@pytest.fixture
+def make_engine(model_dir):
+    """`make_engine(arch="qwen3", path=None, **config)` -> a started fp32 CPU engine, stopped after the test."""
+    engines: list[Engine] = []
+
+    def make(arch: str = "qwen3", path: Path | None = None, **overrides) -> Engine:
+        from transformers import AutoTokenizer
+
+        path = path or model_dir(arch)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = load_model(path, dtype=torch.float32)
+        engine = Engine(model, engine_config(path, **overrides), tokenizer=tok, eos_token_ids=eos_token_ids(path, tok))
+        engines.append(engine.start())
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.stop()
+
+
+@pytest.fixture
+def serve(tokenizer, tmp_path):
+    """`serve(engine, admin_token=None, weights_dir=tmp_path)` -> a running ServerThread, stopped after the test."""
+    servers: list[ServerThread] = []
+
+    def start(engine: Engine, admin_token: str | None = None, weights_dir: Path | None = None) -> ServerThread:
+        servers.append(ServerThread(engine, tokenizer, weights_dir or tmp_path, admin_token))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()

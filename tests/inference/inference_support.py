@@ -1,0 +1,53 @@
+"""Helpers the inference tests import: constants, configs, an in-process server thread, polling."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.engine import Engine
+from tandem.inference.server import InferenceServer
+
+# As in tests/models: weights with std 0.1 give O(1) logits, so greedy choices are not near-ties.
+INIT_STD = 0.1
+SEQ_LEN = 256
+
+
+def engine_config(path: Path, **overrides) -> InferenceConfig:
+    return InferenceConfig(**{"model": {"name": str(path), "dtype": "float32"}, "seq_len": SEQ_LEN, **overrides})
+
+
+class ServerThread:
+    """`InferenceServer` under uvicorn on a thread, bound to a free loopback port."""
+
+    def __init__(self, engine: Engine, tokenizer, weights_dir: Path, admin_token: str | None = None) -> None:
+        self.engine = engine
+        app = InferenceServer(engine, tokenizer, "tiny", admin_token=admin_token, weights_dir=weights_dir).app()
+        config = uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=1, access_log=False)
+        self._server = uvicorn.Server(config)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._socket.close()
+
+
+def wait_until(condition, timeout: float = 10.0, message: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {message}"
+        time.sleep(0.01)

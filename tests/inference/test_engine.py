@@ -1,0 +1,223 @@
+"""The engine on CPU in fp32: parity with transformers and with the trainer's logprobs, batch invariance,
+chunked prefill and preemption, n > 1 on one prefill, stops, pause / cancel, weight swaps."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from inference_support import INIT_STD, wait_until
+
+from tandem.inference.decode import decode_inputs, decode_step
+from tandem.inference.masks import kept_ids_rows
+from tandem.inference.outputs import RequestUpdate
+from tandem.inference.protocol import SamplingParams
+from tandem.inference.weights import read_weights
+from tandem.models import IGNORE_INDEX, KVCache, load_model
+from tandem.testing.tiny import ARCHITECTURES
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+def _prompts(count: int, vocab: int, lengths=(3, 21), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(*lengths, (count,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers_generate(arch, model_dir, make_engine):
+    from transformers import AutoModelForCausalLM
+
+    path = model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    engine = make_engine(arch)
+    prompts = _prompts(4, engine.vocab_size)
+    ours = engine.generate(prompts, GREEDY)
+    for prompt, (sample,) in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        assert sample.token_ids == out[0, len(prompt) :].tolist()
+
+
+def test_a_prompt_alone_and_in_a_batch_of_16_gives_the_same_greedy_tokens(make_engine):
+    engine = make_engine()
+    prompts = _prompts(16, engine.vocab_size, seed=1)
+    batched = engine.generate(prompts, GREEDY)
+    for prompt, (sample,) in zip(prompts, batched, strict=True):
+        assert engine.generate([prompt], GREEDY)[0][0].token_ids == sample.token_ids
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=24, seed=0),
+        SamplingParams(temperature=1.3, min_p=0.05, max_tokens=24, seed=1),
+        SamplingParams(temperature=1.0, max_tokens=24, seed=2),
+        SamplingParams(temperature=0, max_tokens=24),
+    ],
+    ids=["top-k+top-p", "min-p", "whole-vocab", "greedy"],
+)
+def test_logprobs_match_the_trainer_recomputation(params, model_dir, make_engine):
+    """Teacher-forced forward of a separately loaded copy, same temperature and masks: mismatch KL < 1e-6."""
+    engine = make_engine()
+    trainer_model = load_model(model_dir("qwen3"), dtype=torch.float32)
+    prompts = _prompts(3, engine.vocab_size, seed=2)
+    results = engine.generate(prompts, params, n=2)
+    temperature = params.temperature or 1.0
+    diffs = []
+    for prompt, samples in zip(prompts, results, strict=True):
+        for sample in samples:
+            ids = torch.tensor(prompt + sample.token_ids)
+            targets = ids[1:].clone()
+            targets[: len(prompt) - 1] = IGNORE_INDEX
+            masks = [None] * (len(prompt) - 1) + (sample.masks if params.truncates else [None] * len(sample.token_ids))
+            kept = torch.tensor(kept_ids_rows(masks))
+            with torch.no_grad():
+                out = trainer_model(ids[None, :-1], targets=targets[None], temperature=temperature, kept_ids=kept[None])
+            trainer = out.logprobs[0, len(prompt) - 1 :]
+            diffs.append(trainer.double() - torch.tensor(sample.logprobs, dtype=torch.float64))
+            if params.truncates:
+                assert any(m is not None for m in sample.masks)
+    d = torch.cat(diffs)
+    kl = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(inference || trainer)
+    assert kl < 1e-6 and d.abs().max() < 1e-4, f"mismatch KL {kl:.2e}, max |diff| {d.abs().max():.2e}"
+
+
+def test_chunked_prefill_and_preemption_keep_greedy_outputs(make_engine):
+    roomy = make_engine()
+    prompts = _prompts(6, roomy.vocab_size, lengths=(40, 90), seed=3)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    expected = roomy.generate(prompts, params)
+    # 16-token prefill chunks; room for about one sequence at a time, so most get preempted and recomputed.
+    tight = make_engine(block_size=4, kv_cache_blocks=40, max_prefill_tokens=16)
+    got = tight.generate(prompts, params)
+    assert tight.stats().preemptions > 0
+    for want, have in zip(expected, got, strict=True):
+        assert have[0].token_ids == want[0].token_ids
+        torch.testing.assert_close(torch.tensor(have[0].logprobs), torch.tensor(want[0].logprobs), atol=1e-4, rtol=0)
+    wait_until(lambda: tight.gauges.kv_blocks_used == 0, message="all blocks free")
+
+
+def test_n_samples_share_one_prefill_and_are_reproducible(make_engine):
+    engine = make_engine()
+    prefilled = []
+    prefill = engine.model.prefill
+
+    def counting(ids, cache, batch):
+        prefilled.append(ids.numel())
+        return prefill(ids, cache, batch)
+
+    engine.model.prefill = counting
+    prompt = _prompts(1, engine.vocab_size, lengths=(37, 38))[0]
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=5, ignore_eos=True)
+    samples = engine.generate([prompt], params, n=4)[0]
+    assert prefilled == [37]
+    assert len({tuple(s.token_ids) for s in samples}) > 1
+    assert all(
+        s.logprobs[0] == pytest.approx(samples[0].logprobs[0])
+        for s in samples
+        if s.token_ids[0] == samples[0].token_ids[0]
+    )
+    assert [s.token_ids for s in engine.generate([prompt], params, n=4)[0]] == [s.token_ids for s in samples]
+    assert engine.generate([prompt], params)[0][0].token_ids == samples[0].token_ids
+
+
+def test_stop_strings_and_stop_token_ids(make_engine):
+    engine = make_engine()
+    prompt = _prompts(1, engine.vocab_size, seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ((full,),) = engine.generate([prompt], params, detokenize=True)
+    assert len(full.text) > 12
+    stop = full.text[6:9]
+    ((cut,),) = engine.generate([prompt], params.model_copy(update={"stop": [stop]}), detokenize=True)
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    token = full.token_ids[5]
+    ((cut,),) = engine.generate([prompt], params.model_copy(update={"stop_token_ids": [token]}))
+    assert cut.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", token)
+
+
+def _collecting(engine, prompt, params):
+    updates: list[RequestUpdate] = []
+    done = threading.Event()
+
+    def on_update(update: RequestUpdate) -> None:
+        updates.append(update)
+        if update.finished:
+            done.set()
+
+    request_id = engine.submit(prompt, params, on_update, stream=True)
+    return request_id, updates, done
+
+
+def test_pause_holds_work_and_cancel_frees_the_cache(make_engine):
+    engine = make_engine()
+    engine.pause().result(timeout=10)
+    request_id, updates, done = _collecting(engine, [5, 6, 7], SamplingParams(temperature=0, ignore_eos=True))
+    assert not done.wait(0.2) and engine.stats().generated_tokens == 0
+    engine.resume().result(timeout=10)
+    wait_until(lambda: engine.stats().generated_tokens >= 5, message="tokens after resume")
+    engine.cancel(request_id)
+    assert done.wait(10)
+    assert updates[-1].samples[-1].finish_reason == "abort"
+    wait_until(lambda: engine.gauges.kv_blocks_used == 0 and engine.gauges.running == 0, message="freed cache")
+
+
+def test_weights_swap_between_steps_and_tokens_record_their_version(make_engine, tiny_model_dir):
+    other = tiny_model_dir("qwen3", initializer_range=INIT_STD, seed=1)
+    engine = make_engine()
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    _, updates, done = _collecting(engine, prompt, params)
+    wait_until(lambda: sum(len(s.token_ids) for u in updates for s in u.samples) >= 5, message="first tokens")
+    assert engine.swap_weights(read_weights(other, engine.model), version=1).result(timeout=30) >= 0
+    assert done.wait(30)
+    versions = [v for u in updates for s in u.samples for v in s.versions]
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+    short = SamplingParams(temperature=0, max_tokens=12)
+    assert (
+        engine.generate([prompt], short)[0][0].token_ids
+        == make_engine(path=other).generate([prompt], short)[0][0].token_ids
+    )
+    assert engine.generate([prompt], short)[0][0].versions == [1] * 12
+
+
+def test_requests_the_engine_cannot_serve_are_refused(make_engine):
+    engine = make_engine(kv_cache_blocks=8, block_size=4)
+    cases = {
+        "no tokens": ([], SamplingParams()),
+        "must lie in": ([10**6], SamplingParams()),
+        "leaves no room": ([3] * 256, SamplingParams()),
+        "does not fit": ([3] * 200, SamplingParams(max_tokens=100)),
+        "KV-cache blocks": ([3] * 10, SamplingParams(max_tokens=100)),
+        "max_logprobs": ([3], SamplingParams(max_tokens=2, top_logprobs=50)),
+    }
+    for message, (prompt, params) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            engine.submit(prompt, params, lambda update: None)
+
+
+def test_static_decode_step_equals_the_cache_batch_decode(model_dir):
+    model = load_model(model_dir("qwen3"), dtype=torch.float32).eval()
+    a = model.args
+    prompts = _prompts(3, a.vocab_size, seed=5)
+    tables = [[1, 2], [3, 4], [5, 6]]
+    logits = []
+    for static in (False, True):
+        cache = KVCache(a.num_layers, 8, 16, a.num_kv_heads, a.head_dim)
+        lengths = [len(p) for p in prompts]
+        with torch.no_grad():
+            model.prefill(torch.tensor([t for p in prompts for t in p]), cache, cache.batch(lengths, [0, 0, 0], tables))
+            tokens = [p[-1] for p in prompts]
+            if static:  # wider tables and two padding rows, as a CUDA-graph bucket would have
+                logits.append(decode_step(model, cache, decode_inputs(tokens, lengths, tables, rows=5, width=4))[:3])
+            else:
+                logits.append(model.decode(torch.tensor(tokens), cache, cache.batch([1, 1, 1], lengths, tables)))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)

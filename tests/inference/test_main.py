@@ -1,0 +1,71 @@
+"""`tandem inference` as a process: port 0 and server.json, SIGTERM, config mistakes, and `tandem eval --model`
+running against it end to end."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tandem.cli import main
+
+
+def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, tmp_path):
+    command = [
+        sys.executable, "-m", "tandem", "inference", "--model", str(model_dir("qwen3")), "--model.dtype", "float32",
+        "--port", "0", "--seq-len", "128", "--output-dir", str(tmp_path), "--run-name", "srv",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        server_json = tmp_path / "srv" / "server.json"
+        deadline = time.monotonic() + 60
+        while not server_json.is_file():
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "no server.json within 60 s"
+            time.sleep(0.1)
+        info = json.loads(server_json.read_text())
+        assert info["pid"] == process.pid and info["model"] == model_dir("qwen3").name
+        assert httpx.get(f"{info['url']}/health").json()["status"] == "ok"
+        reply = httpx.post(f"{info['url']}/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert f"tandem inference listening on {info['url']}" in out
+    assert (tmp_path / "srv" / "logs" / "inference.log").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "/no/such/dir"], "not a local directory"),
+        ([], "no model to serve"),
+        (["--host", "0.0.0.0"], "--admin-token"),
+        (["--seq-len", "100000"], "max_position_embeddings"),
+    ],
+)
+def test_config_mistakes_exit_2_with_a_message(argv, message, model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN", raising=False)
+    model = [] if argv[:1] == ["--model"] or not argv else ["--model", str(model_dir("qwen3"))]
+    assert main(["inference", *model, *argv, "--output-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tandem_eval_runs_against_the_built_in_server(model_dir, tmp_path):
+    argv = [
+        "eval", "arithmetic", "--env.args", "{num_tasks = 3}", "--env.sampling.max-tokens", "8",
+        "--model", str(model_dir("qwen3")), "--model.dtype", "float32", "--seq-len", "256",
+        "--output-dir", str(tmp_path), "--run-name", "ev", "--startup-timeout-s", "120",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "ev" / "traces.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    assert all(r["outcome"] in ("ok", "truncated") and r["tokens"]["completion"] > 0 for r in records), records
