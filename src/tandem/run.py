@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tandem.config import RunConfig, to_toml
 
@@ -55,3 +56,19 @@ def prepare_run_dir(config: RunConfig, process: str | None = None) -> Path:
     setup_logging(config.log.level, run_dir / "logs" / f"{process}.log")
     logger.info("run directory: %s", run_dir)
     return run_dir
+
+
+def step_progress(label: str, total: int, completed: int = 0) -> tuple[Progress, int]:
+    """A started rich progress bar on stderr counting steps, with a free-form `status` field."""
+    progress = Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+    task = progress.add_task(label, total=total, completed=completed, status="")
+    progress.start()
+    return progress, task

@@ -7,8 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from tandem.run import step_progress
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +35,7 @@ class RlProgress:
         self.trainer = JsonlFollower(config.run_dir / "metrics.jsonl")
         self.orchestrator = JsonlFollower(config.run_dir / "orchestrator_metrics.jsonl")
         self.rollouts: dict[int, dict[str, Any]] = {}
-        self.progress = Progress(
-            TextColumn("[bold]rl"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-        )
-        self.task = self.progress.add_task("rl", total=config.max_steps, completed=start_step, status="starting")
-        self.progress.start()
+        self.progress, self.task = step_progress("rl", config.max_steps, start_step)
 
     def refresh(self) -> None:
         for record in self.orchestrator.new_records():

@@ -162,3 +162,11 @@ def resolve_resume(root: Path, step: int | None) -> Path:
     if step not in found:
         raise CheckpointError(f"no checkpoint for step {step} under {root}; found steps {sorted(found)}")
     return found[step]
+
+
+def resume_step(config, model: torch.nn.Module, optimizer, scheduler) -> int:
+    """Restore the checkpoint `config.resume` asks for (if any); the step training continues after."""
+    if not config.resume.enabled:
+        return 0
+    root = config.run_dir / "checkpoints"
+    return load_checkpoint(resolve_resume(root, config.resume.step), model, optimizer, scheduler)["step"]

@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tandem.config import ConfigError
+from tandem.run import step_progress
 from tandem.trainer.metrics import MetricsWriter, StepTimer, device_peak_flops, peak_memory_gib, peak_reserved_gib
 from tandem.trainer.parallel import World
 
@@ -33,18 +32,7 @@ class Monitor:
         self.progress = None
         self.wandb = None
         if world.is_main:
-            self.progress = Progress(
-                TextColumn(f"[bold]{config.command}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-                transient=False,
-            )
-            self.task = self.progress.add_task(config.command, total=config.max_steps, completed=start_step, status="")
-            self.progress.start()
+            self.progress, self.task = step_progress(config.command, config.max_steps, start_step)
             if config.wandb.enabled:
                 self.wandb = _start_wandb(config)
 

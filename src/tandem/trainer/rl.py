@@ -21,7 +21,7 @@ from tandem.trainer.loss import LossInputs, policy_loss
 from tandem.trainer.model import build_training_model, export_hf
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import init_distributed
-from tandem.trainer.schedule import build_scheduler
+from tandem.trainer.schedule import build_optimizer
 from tandem.transport.batches import read_batch, wait_for_batch
 from tandem.transport.policies import mark_complete, policy_dir
 
@@ -63,20 +63,10 @@ def train(config: TrainerConfig) -> int:
         setup_logging("warning")
     torch.manual_seed(config.seed)
     model, info = build_training_model(config, world)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=config.optim.lr,
-        betas=config.optim.betas,
-        eps=config.optim.eps,
-        weight_decay=config.optim.weight_decay,
-    )
-    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
+    optimizer, scheduler = build_optimizer(model, config)
     run_dir = config.run_dir
     ckpt_root, batches, policies = run_dir / "checkpoints", run_dir / "batches", run_dir / "policies"
-    start_step = 0
-    if config.resume.enabled:
-        state = ckpt.load_checkpoint(ckpt.resolve_resume(ckpt_root, config.resume.step), model, optimizer, scheduler)
-        start_step = state["step"]
+    start_step = ckpt.resume_step(config, model, optimizer, scheduler)
     monitor = Monitor(config, world, info, start_step)
     try:
         for step in range(start_step + 1, config.max_steps + 1):

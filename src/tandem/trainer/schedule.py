@@ -1,4 +1,4 @@
-"""Learning-rate schedules: linear warm-up, then constant, linear or cosine decay."""
+"""The optimizer and its learning-rate schedule: linear warm-up, then constant, linear or cosine decay."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import torch
 
 from tandem.config.common import SchedulerConfig
+from tandem.config.training import TrainingRunConfig
 
 
 def lr_factor(step: int, total_steps: int, config: SchedulerConfig) -> float:
@@ -25,3 +26,18 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, total_steps: int, config: SchedulerConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, config))
+
+
+def build_optimizer(
+    model: torch.nn.Module, config: TrainingRunConfig, fused: bool = False
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the (fp32 master) parameters and its schedule over `config.max_steps`."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+        eps=config.optim.eps,
+        weight_decay=config.optim.weight_decay,
+        fused=fused,
+    )
+    return optimizer, build_scheduler(optimizer, config.max_steps, config.scheduler)

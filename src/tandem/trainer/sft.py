@@ -26,7 +26,7 @@ from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
 from tandem.trainer.model import build_training_model, export_hf, rope_backend
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import World, init_distributed
-from tandem.trainer.schedule import build_scheduler
+from tandem.trainer.schedule import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -126,20 +126,9 @@ def train(config: SftConfig) -> int:
     speed = config.speed
     model, info = build_training_model(config, world, **_model_runtime(speed))
     steps = build_steps(config, info.vocab_size)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=config.optim.lr,
-        betas=config.optim.betas,
-        eps=config.optim.eps,
-        weight_decay=config.optim.weight_decay,
-        fused=speed.fused_optimizer,
-    )
-    scheduler = build_scheduler(optimizer, config.max_steps, config.scheduler)
+    optimizer, scheduler = build_optimizer(model, config, fused=speed.fused_optimizer)
     ckpt_root = config.run_dir / "checkpoints"
-    start_step = 0
-    if config.resume.enabled:
-        state = ckpt.load_checkpoint(ckpt.resolve_resume(ckpt_root, config.resume.step), model, optimizer, scheduler)
-        start_step = state["step"]
+    start_step = ckpt.resume_step(config, model, optimizer, scheduler)
     monitor = Monitor(config, world, info, start_step)
     try:
         for step in range(start_step, config.max_steps):
