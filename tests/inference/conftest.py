@@ -41,7 +41,8 @@ def tokenizer(model_dir):
 
 @pytest.fixture
 def make_engine(model_dir):
-    """`make_engine(arch="qwen3", path=None, **config)` -> a started fp32 CPU engine, stopped after the test."""
+    """`make_engine(arch="qwen3", path=None, **config)` -> a started fp32 engine (CPU unless `device` is given),
+    stopped after the test."""
     engines: list[Engine] = []
 
     def make(arch: str = "qwen3", path: Path | None = None, **overrides) -> Engine:
@@ -49,8 +50,9 @@ def make_engine(model_dir):
 
         path = path or model_dir(arch)
         tok = AutoTokenizer.from_pretrained(path)
-        model = load_model(path, dtype=torch.float32)
-        engine = Engine(model, engine_config(path, **overrides), tokenizer=tok, eos_token_ids=eos_token_ids(path, tok))
+        config = engine_config(path, **{"device": "cpu", **overrides})
+        model = load_model(path, dtype=torch.float32, device=config.device)
+        engine = Engine(model, config, tokenizer=tok, eos_token_ids=eos_token_ids(path, tok))
         engines.append(engine.start())
         return engine
 

@@ -221,3 +221,16 @@ def test_static_decode_step_equals_the_cache_batch_decode(model_dir):
             else:
                 logits.append(model.decode(torch.tensor(tokens), cache, cache.batch([1, 1, 1], lengths, tables)))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_tokens(make_engine):
+    """`compile=True` traces the decode step (cache writes included) with dynamic shapes (~20 s of inductor)."""
+    from inference_support import skip_without_inductor_toolchain
+
+    prompts = _prompts(3, 512, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # all finish together: no batch of 1
+    expected = make_engine().generate(prompts, params)
+    with skip_without_inductor_toolchain():
+        got = make_engine(compile=True).generate(prompts, params)
+    assert [s[0].token_ids for s in got] == [s[0].token_ids for s in expected]

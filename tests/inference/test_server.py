@@ -111,6 +111,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "nope"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2000}]}, 400, "context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 17}, 400, "stop"),
     ("/update_weights", {"path": 5, "version": 1}, 400, "path"),
 ]
 

@@ -137,12 +137,13 @@ class Engine:
         self.gauges = Gauges()
 
     def _decoder(self) -> EagerDecoder | GraphedDecoder:
-        step = decode_step
-        if self.config.compile:
-            step = torch.compile(decode_step, dynamic=True)
+        step = torch.compile(decode_step, dynamic=True) if self.config.compile else decode_step
         if self.config.cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-self.max_model_len // self.config.block_size)
-            sizes = [b for b in self.config.cuda_graph_batch_sizes if b <= self.config.max_running]
+            # Compiled, a batch of 1 would be a second compilation (size 1 is always specialised); a padded
+            # row costs next to nothing in a memory-bound step.
+            smallest = 2 if self.config.compile else 1
+            sizes = [max(b, smallest) for b in self.config.cuda_graph_batch_sizes if b <= self.config.max_running]
             return GraphedDecoder(self.model, self.cache, sizes, max_blocks, step)
         return EagerDecoder(self.model, self.cache, step)
 
@@ -315,25 +316,29 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
-                idle = self.paused or not self._requests
-                self._drain(block=idle)
-                if self._stopping or self.paused or not self._requests:
-                    continue
-                try:
-                    if not self._step():
-                        self._drain(block=True, timeout=0.01)
-                except Exception as error:
-                    logger.exception("engine step failed; aborting the requests in flight")
-                    for request_id in list(self._requests):
-                        self._abort(request_id, f"engine step failed: {type(error).__name__}: {error}")
-                self._publish()
+            with torch.inference_mode():
+                self._loop()
         except BaseException as error:
             self.error = f"engine thread died: {type(error).__name__}: {error}"
             logger.exception(self.error)
         finally:
             for request_id in list(self._requests):
                 self._abort(request_id, self.error or "the engine stopped")
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            idle = self.paused or not self._requests
+            self._drain(block=idle)
+            if self._stopping or self.paused or not self._requests:
+                continue
+            try:
+                if not self._step():
+                    self._drain(block=True, timeout=0.01)
+            except Exception as error:
+                logger.exception("engine step failed; aborting the requests in flight")
+                for request_id in list(self._requests):
+                    self._abort(request_id, f"engine step failed: {type(error).__name__}: {error}")
+            self._publish()
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -475,7 +480,8 @@ class Engine:
             if finish is not None:
                 record.finish_reason, record.stop_reason = finish
                 self.scheduler.finish(seq)
-            touched[request.id] = request
+            if request.stream or finish is not None:
+                touched[request.id] = request
         with self._rate_lock:
             self._rate.append((now, len(seqs)))
         self._counts["generated"] += len(seqs)
@@ -511,10 +517,12 @@ class Engine:
             samples.append(record.since(seq.sent_tokens, seq.sent_chars, text_end, seq.sample))
             seq.sent_tokens, seq.sent_chars, seq.sent_finish = len(record.token_ids), text_end, finished
         if done:
-            request.finished_at = time.monotonic()
             del self._requests[request.id]
             self._counts["finished"] += 1
+        first_token_s = None
+        if done and request.first_token_at is not None:
+            first_token_s = request.first_token_at - request.arrival
         try:
-            request.on_update(RequestUpdate(request.id, samples, done, len(request.prompt), error))
+            request.on_update(RequestUpdate(request.id, samples, done, len(request.prompt), error, first_token_s))
         except Exception:
             logger.exception("a request's update callback failed")

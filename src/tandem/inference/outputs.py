@@ -82,3 +82,5 @@ class RequestUpdate:
     prompt_tokens: int
     error: str | None = None
     """Set when the engine failed this request (finish_reason is then "abort")."""
+    first_token_s: float | None = None
+    """On the last update: seconds from submission to the first sampled token (None if there was none)."""

@@ -93,31 +93,33 @@ class SamplingBatch:
         steps: Sequence[int],
         device: torch.device,
     ) -> SamplingBatch:
-        floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
-        ints = torch.tensor(
-            [
-                [max(p.top_k, 0), _signed64(seed), sample, step]
-                for p, seed, sample, step in zip(params, seeds, samples, steps, strict=True)
-            ],
-            dtype=torch.int64,
-        )
-        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
-        truncated = [i for i, p in enumerate(params) if p.truncates]
-        plain = [i for i, p in enumerate(params) if not p.truncates]
-        cut = [params[i] for i in truncated]
+        floats, ints, truncated, plain = [], [], [], []
+        any_sampled_plain, top_width, widths = False, 0, []
+        for row, (p, seed, sample, step) in enumerate(zip(params, seeds, samples, steps, strict=True)):
+            floats.append((p.temperature, p.top_p, p.min_p))
+            ints.append((max(p.top_k, 0), _signed64(seed), sample, step))
+            top_width = max(top_width, p.top_logprobs)
+            if p.truncates:
+                truncated.append(row)
+                widths.append(p.top_k)
+            else:
+                plain.append(row)
+                any_sampled_plain |= p.temperature > 0
+        f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
+        i = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
         return cls(
-            temperature=floats[:, 0],
-            top_p=floats[:, 1],
-            min_p=floats[:, 2],
-            top_k=ints[:, 0],
-            seeds=ints[:, 1],
-            samples=ints[:, 2],
-            steps=ints[:, 3],
+            temperature=f[:, 0],
+            top_p=f[:, 1],
+            min_p=f[:, 2],
+            top_k=i[:, 0],
+            seeds=i[:, 1],
+            samples=i[:, 2],
+            steps=i[:, 3],
             truncated=truncated,
             plain=plain,
-            any_sampled_plain=any(not params[i].greedy for i in plain),
-            top_width=max(p.top_logprobs for p in params),
-            top_k_width=max(p.top_k for p in cut) if cut and all(p.top_k > 0 for p in cut) else 0,
+            any_sampled_plain=any_sampled_plain,
+            top_width=top_width,
+            top_k_width=max(widths) if widths and min(widths) > 0 else 0,
         )
 
 

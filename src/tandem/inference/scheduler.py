@@ -79,7 +79,6 @@ class Request:
     on_update: Callable[[RequestUpdate], None]
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    finished_at: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
     unforked: int = 0
     """Samples still to fork from sample 0 once its prompt is cached."""
@@ -149,12 +148,15 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_prefill_tokens
         index = 0
-        while index < len(self.running):
-            seq = self.running[index]
-            take = 1 if seq.pending == 1 else min(seq.pending, budget)
-            if take and not self._grow(seq, seq.num_cached + take):
+        running, block_size = self.running, self.block_size
+        while index < len(running):
+            seq = running[index]
+            pending = len(seq.tokens) - seq.num_cached
+            take = 1 if pending == 1 else min(pending, budget)
+            grows = seq.num_cached + take > len(seq.blocks) * block_size
+            if take and grows and not self._grow(seq, seq.num_cached + take):
                 continue  # `seq` itself was preempted; the same index now holds the next one
-            if take == 1 and seq.pending == 1:
+            if pending == 1:
                 plan.decode.append(seq)
             elif take:
                 plan.prefill.append((seq, take))

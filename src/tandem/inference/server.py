@@ -10,6 +10,7 @@ when one is configured (always when binding beyond loopback). Every response car
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -122,7 +123,8 @@ class Batch:
             raise HTTPError(400, str(error)) from None
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, update: RequestUpdate) -> None:
-        loop.call_soon_threadsafe(self.updates.put_nowait, (index, update))
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the server is shutting down
+            loop.call_soon_threadsafe(self.updates.put_nowait, (index, update))
 
     @property
     def finished(self) -> bool:
@@ -341,6 +343,8 @@ class InferenceServer:
         try:
             prompts = openai_api.completion_prompts(body, self.tokenizer)
             params = openai_api.completion_sampling(body)
+        except ValidationError as error:
+            raise HTTPError(400, _describe(error)) from None
         except openai_api.RequestError as error:
             raise HTTPError(400, str(error)) from None
         batch = Batch(self.engine, prompts, params, body.n, stream=body.stream, text=True)
@@ -409,6 +413,8 @@ class InferenceServer:
         try:
             prompt = openai_api.chat_prompt(body, self.tokenizer)
             params = openai_api.chat_sampling(body)
+        except ValidationError as error:
+            raise HTTPError(400, _describe(error)) from None
         except openai_api.RequestError as error:
             raise HTTPError(400, str(error)) from None
         batch = Batch(self.engine, [prompt], params, body.n, stream=body.stream, text=True)

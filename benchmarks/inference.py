@@ -1,0 +1,271 @@
+"""Decode throughput and time to first token of the built-in engine, against `transformers` generate on the
+same device in the same run, and against the memory-bandwidth roofline.
+
+    python benchmarks/inference.py            # GPU: Qwen3-0.6B- and 1.7B-shaped models, batch 1, 32, 256
+    python benchmarks/inference.py --smoke    # CPU: a tiny model, to check the script works (~1 min)
+
+Models have random bf16 weights. Every request has a `--prompt-len` prompt and generates exactly
+`--gen-len` tokens (greedy, EOS ignored); a batch's prompts are prefilled in one engine step, so the batch
+then decodes together. Per run:
+
+- TTFT: mean time from submitting the batch to each request's first token (includes the batch's prefill);
+  transformers: `generate(max_new_tokens=1)`.
+- decode tok/s: `batch * (gen_len - 1)` tokens over the time from the last first token to the end;
+  transformers: the same tokens over `generate(max_new_tokens=gen_len)` minus the `max_new_tokens=1` time.
+- roofline: the decode tok/s if each step only read, at the HBM bandwidth measured here (a large device
+  copy), every weight once (the embedding table only for the batch's rows when it is not tied to the LM
+  head) and each sequence's K/V at the mean decode context `prompt_len + gen_len / 2`.
+
+Engine variants: eager (op by op), CUDA graphs (one per batch bucket), CUDA graphs + torch.compile (decode
+step compiled with dynamic shapes; its compile time is printed). The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shapes import SHAPES, Shape
+
+from tandem.config.inference import InferenceConfig
+from tandem.inference.engine import Engine
+from tandem.inference.outputs import RequestUpdate
+from tandem.inference.protocol import SamplingParams
+from tandem.models import build_model
+
+MODELS = {
+    # Qwen3-0.6B and Qwen3-1.7B exactly (tied embeddings, 28 layers, 16 query / 8 KV heads of 128).
+    "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936, tied=True),
+    "qwen3-1.7b": SHAPES["qwen3-1.7b"],
+    "tiny": SHAPES["tiny"],
+}
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    engine: str
+    decode_tok_s: float | None
+    ttft_ms: float | None
+    note: str = ""
+    roofline: float | None = None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hbm_bandwidth(device: torch.device, gib: float) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    iters = 10
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    return 2 * src.numel() * iters / (time.perf_counter() - start)
+
+
+def roofline_tok_s(model: torch.nn.Module, shape: Shape, batch: int, context: float, bandwidth: float) -> float:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not shape.tied:  # an untied embedding table is only read for the batch's rows
+        embedding = model.embed_tokens.weight
+        weights -= (embedding.shape[0] - batch) * embedding.shape[1] * embedding.element_size()
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * model.embed_tokens.weight.element_size()
+    step_bytes = weights + batch * context * kv_per_token
+    return batch / (step_bytes / bandwidth)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[float, float]:
+    """(decode tok/s, mean TTFT s) of one batch submitted at once."""
+    params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+    first_tokens, finished = [], []
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_update(submitted: float):
+        def record(update: RequestUpdate) -> None:
+            if update.finished:
+                with lock:
+                    first_tokens.append(submitted + update.first_token_s)
+                    finished.append(time.perf_counter())
+                    if len(finished) == len(prompts):
+                        done.set()
+
+        return record
+
+    started = time.perf_counter()
+    for prompt in prompts:
+        engine.submit(prompt, params, on_update(time.perf_counter()))
+    if not done.wait(600):
+        raise TimeoutError("the engine did not finish the batch within 600 s")
+    decode_s = max(finished) - max(first_tokens)
+    ttft = sum(first_tokens) / len(first_tokens) - started
+    return len(prompts) * (gen_len - 1) / decode_s, ttft
+
+
+def run_transformers(model: torch.nn.Module, prompts: torch.Tensor, gen_len: int) -> tuple[float, float]:
+    """(decode tok/s, TTFT s) of `generate` on the whole batch."""
+
+    def timed(new_tokens: int) -> float:
+        sync(prompts.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, do_sample=False)
+        sync(prompts.device)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    first = timed(1)
+    total = timed(gen_len)
+    return prompts.shape[0] * (gen_len - 1) / (total - first), first
+
+
+def transformers_model(shape: Shape, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in shape.hf_config().items() if k != "architectures"})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> list[Row]:
+    shape = MODELS[name]
+    rows: list[Row] = []
+    generator = torch.Generator().manual_seed(0)
+    batches = args.batches
+    prompts = torch.randint(0, shape.vocab, (max(batches), args.prompt_len), generator=generator)
+    model = build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0)
+    context = args.prompt_len + args.gen_len
+    variants = [("eager", False, False)]
+    if device.type == "cuda":
+        variants += [("cuda graphs", True, False)] + (
+            [] if args.no_compile else [("cuda graphs + compile", True, True)]
+        )
+    for label, graphs, compile in variants:
+        config = InferenceConfig(
+            seq_len=context,
+            block_size=BLOCK_SIZE,
+            kv_cache_blocks=max(batches) * -(-context // BLOCK_SIZE) + 8,
+            max_running=max(batches),
+            max_prefill_tokens=max(batches) * args.prompt_len,
+            cuda_graphs=graphs,
+            cuda_graph_batch_sizes=batches,
+            compile=compile,
+        )
+        engine = Engine(model, config).start()
+        try:
+            started = time.perf_counter()
+            for batch in batches:  # warm-up: captures (and compiles) every bucket used below
+                run_engine(engine, prompts[:batch].tolist(), 4)
+            warmup = time.perf_counter() - started
+            note = f"warm-up (capture/compile) {warmup:.0f} s" if graphs else ""
+            for batch in batches:
+                tok_s, ttft = run_engine(engine, prompts[:batch].tolist(), args.gen_len)
+                rows.append(Row(name, batch, f"tandem {label}", tok_s, ttft * 1e3, note))
+                print(
+                    f"  {name} batch {batch:>3} tandem {label}: {tok_s:,.0f} tok/s, TTFT {ttft * 1e3:.1f} ms",
+                    flush=True,
+                )
+        except Exception as error:  # one variant failing must not lose the others' numbers
+            rows.append(Row(name, 0, f"tandem {label}", None, None, f"failed: {type(error).__name__}: {error}"))
+            print(f"  {name} tandem {label} failed: {error}", flush=True)
+        finally:
+            engine.stop()
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del model
+    if not args.no_hf:
+        hf = transformers_model(shape, device)
+        for batch in batches:
+            tok_s, ttft = run_transformers(hf, prompts[:batch].to(device), args.gen_len)
+            rows.append(Row(name, batch, "transformers generate", tok_s, ttft * 1e3))
+            print(f"  {name} batch {batch:>3} transformers: {tok_s:,.0f} tok/s, TTFT {ttft * 1e3:.1f} ms", flush=True)
+        del hf
+    roofline_model = build_model(shape.hf_config(), dtype=torch.bfloat16, device="meta")
+    mean_context = args.prompt_len + args.gen_len / 2
+    for row in rows:
+        row.roofline = roofline_tok_s(roofline_model, shape, row.batch, mean_context, bandwidth) if row.batch else None
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    baseline = {(r.model, r.batch): r.decode_tok_s for r in rows if r.engine == "transformers generate"}
+    header = ("model", "batch", "engine", "decode tok/s", "TTFT ms", "x transformers", "% roofline", "note")
+    lines = [header]
+    for r in sorted(rows, key=lambda r: (r.model, r.batch, r.engine != "transformers generate", r.engine)):
+        hf = baseline.get((r.model, r.batch))
+        lines.append(
+            (
+                r.model,
+                str(r.batch) if r.batch else "-",
+                r.engine,
+                f"{r.decode_tok_s:,.0f}" if r.decode_tok_s else "-",
+                f"{r.ttft_ms:,.1f}" if r.ttft_ms else "-",
+                f"{r.decode_tok_s / hf:.2f}" if hf and r.decode_tok_s else "-",
+                f"{100 * r.decode_tok_s / r.roofline:.0f}%" if r.roofline and r.decode_tok_s else "-",
+                r.note,
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i in (0, 2, 7) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in lines
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, small batches (checks the script)")
+    parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
+    parser.add_argument("--batches", nargs="+", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--gen-len", type=int, default=None)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    args = parser.parse_args()
+    smoke = args.smoke
+    device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not smoke:
+        parser.error("no CUDA device: run on a GPU, or pass --smoke")
+    args.models = args.models or (["tiny"] if smoke else ["qwen3-0.6b", "qwen3-1.7b"])
+    args.batches = sorted(args.batches or ([1, 4] if smoke else [1, 32, 256]))
+    args.prompt_len = args.prompt_len or (16 if smoke else 128)
+    args.gen_len = args.gen_len or (8 if smoke else 128)
+    bandwidth = hbm_bandwidth(device, 0.0625 if smoke else 4.0)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
+    print(f"{name}, torch {torch.__version__}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s", flush=True)
+    print(
+        f"prompt {args.prompt_len} tokens, {args.gen_len} generated, bf16, greedy; batches {args.batches}", flush=True
+    )
+    rows = []
+    for model in args.models:
+        rows += bench_model(model, args, device, bandwidth)
+    print()
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
