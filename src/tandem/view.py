@@ -44,15 +44,18 @@ class RlProgress:
             step = record["step"]
             rollout = self.rollouts.get(step, {})
             reward = rollout.get("reward", float("nan"))
-            status = f"reward {reward:.3f}  loss {record['loss']:+.4f}  kl {record.get('mismatch_kl', 0):.1e}"
+            mismatch = record.get("mismatch_kl")
+            status = f"reward {reward:.3f}  loss {record['loss']:+.4f}  mismatch {mismatch if mismatch is None else f'{mismatch:.1e}'}"
             self.progress.update(self.task, completed=step, status=status)
             logger.info(
-                "step %d/%d  reward %.3f  loss %+.4f  mismatch_kl %.2e  masked %.3f/%.3f  entropy %.3f  grad_norm %.3f",
+                "step %d/%d  reward %.3f  loss %+.4f  mismatch_kl %s  off_policy_kl %.2e  masked %.3f/%.3f  entropy %.3f"
+                "  grad_norm %.3f",
                 step,
                 self.config.max_steps,
                 reward,
                 record["loss"],
-                record.get("mismatch_kl", 0.0),
+                "n/a" if mismatch is None else f"{mismatch:.2e}",
+                record.get("off_policy_kl", 0.0),
                 record.get("masked_low", 0.0),
                 record.get("masked_high", 0.0),
                 record.get("entropy", 0.0),

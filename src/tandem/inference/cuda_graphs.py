@@ -6,7 +6,7 @@ addresses, so each bucket owns an input buffer (`decode.decode_step`'s `[N, 2 + 
 pointing at the scratch block) and a logits buffer; weights are updated in place (`weights.py`), so graphs
 stay valid across weight swaps. Graphs are captured on first use of a bucket and share one memory pool;
 the logits of one replay are consumed before the next. Steps larger than the largest bucket, and buckets
-whose capture fails, run eagerly.
+whose capture fails (a host sync in the step, or a compile error), run eagerly and uncompiled.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class GraphedDecoder:
         self.model, self.cache, self.step = model, cache, step
         self.batch_sizes = sorted(set(batch_sizes))
         self.widths = width_buckets(cache.block_size, max_blocks)
-        self.eager = EagerDecoder(model, cache, step)
+        self.eager = EagerDecoder(model, cache)  # plain: it is also the fallback when capturing `step` fails
         self._graphs: dict[tuple[int, int], _Graph | None] = {}
         self._pool = torch.cuda.graph_pool_handle()
 

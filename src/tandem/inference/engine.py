@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RATE_WINDOW_S = 10.0
+MAX_FAILED_STEPS = 3
+"""Steps in a row that may fail (their requests are aborted) before the engine gives up."""
 
 
 @dataclass(frozen=True)
@@ -79,20 +81,20 @@ class Collector:
 
     def __init__(self, n: int) -> None:
         self.samples = [SampleRecord() for _ in range(n)]
-        self.prompt_tokens = 0
         self.finished = False
         self.error: str | None = None
 
     def add(self, update: RequestUpdate) -> list[SampleUpdate]:
         for sample in update.samples:
             self.samples[sample.sample].extend(sample)
-        self.prompt_tokens = update.prompt_tokens
         self.finished = update.finished
         self.error = update.error or self.error
         return update.samples
 
 
 class Engine:
+    """Serves one model: `start()` it, `submit()` requests from any thread, `stop()` it."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -106,17 +108,17 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         args = model.args
         self.device = model.lm_head_weight.device
-        self.dtype = model.lm_head_weight.dtype
+        dtype = model.lm_head_weight.dtype
         self.vocab_size, self.max_model_len = args.vocab_size, config.seq_len
-        num_blocks = kv_cache_blocks(config, args, self.dtype, self.device)
+        num_blocks = kv_cache_blocks(config, args, dtype, self.device)
         self.cache = KVCache(
-            args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, self.dtype, self.device
+            args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, dtype, self.device
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,
             config.block_size,
-            num_blocks * block_bytes(args, config.block_size, self.dtype) / 2**30,
+            num_blocks * block_bytes(args, config.block_size, dtype) / 2**30,
         )
         self.scheduler = Scheduler(
             BlockAllocator(num_blocks), config.block_size, config.max_running, config.max_prefill_tokens
@@ -157,7 +159,8 @@ class Engine:
         """Abort whatever is in flight and end the engine thread."""
         self._stopping = True
         self._commands.put(lambda: None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     @property
     def alive(self) -> bool:
@@ -192,12 +195,13 @@ class Engine:
             detokenize=detokenize,
             on_update=on_update,
         )
-        self._commands.put(lambda: self._add(request))
+        self._send(lambda: self._add(request))
         return request.id
 
     def cancel(self, request_id: str) -> None:
         """Abort a request (finish reason "abort") and free its cache; unknown or finished ids are ignored."""
-        self._commands.put(lambda: self._abort(request_id))
+        if self._thread.is_alive():  # a stopped engine has aborted everything already
+            self._commands.put(lambda: self._abort(request_id))
 
     def pause(self) -> Future[None]:
         """Stop stepping (requests stay queued or in the batch with their cache); resolves once no step runs."""
@@ -309,8 +313,13 @@ class Engine:
             except BaseException as error:
                 future.set_exception(error)
 
-        self._commands.put(run)
+        self._send(run)
         return future
+
+    def _send(self, command: Callable[[], None]) -> None:
+        if self._stopping or not self._thread.is_alive():
+            raise RuntimeError(f"the engine is not running ({self.error or 'stopped'})")
+        self._commands.put(command)
 
     # --- the engine thread ---
 
@@ -322,10 +331,12 @@ class Engine:
             self.error = f"engine thread died: {type(error).__name__}: {error}"
             logger.exception(self.error)
         finally:
+            self._drain(block=False)  # commands sent before `stop()`: their requests are aborted below
             for request_id in list(self._requests):
                 self._abort(request_id, self.error or "the engine stopped")
 
     def _loop(self) -> None:
+        failures = 0
         while not self._stopping:
             idle = self.paused or not self._requests
             self._drain(block=idle)
@@ -334,10 +345,14 @@ class Engine:
             try:
                 if not self._step():
                     self._drain(block=True, timeout=0.01)
+                failures = 0
             except Exception as error:
+                failures += 1
                 logger.exception("engine step failed; aborting the requests in flight")
                 for request_id in list(self._requests):
                     self._abort(request_id, f"engine step failed: {type(error).__name__}: {error}")
+                if failures == MAX_FAILED_STEPS:  # e.g. a broken CUDA context: stop, so /health says so
+                    raise
             self._publish()
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:

@@ -18,9 +18,9 @@ def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
 
 
 def activation_bytes(config: InferenceConfig, args: ModelArgs, dtype: torch.dtype) -> int:
-    """A generous estimate of one step's peak temporaries: the sampler's fp32 `[rows, vocab]` buffers (sort
-    values, indices, noise) and a prefill chunk's MLP activations."""
-    sampler = 8 * config.max_running * args.vocab_size * 4
+    """A generous estimate of one step's peak temporaries: the sampler's `[rows, vocab]` buffers (fp32 logits,
+    sort values, int64 indices and hash noise) and a prefill chunk's MLP activations."""
+    sampler = 16 * config.max_running * args.vocab_size * 4
     prefill = 16 * config.max_prefill_tokens * max(args.hidden_size, args.intermediate_size) * dtype.itemsize
     return sampler + prefill + ACTIVATION_RESERVE_BYTES
 

@@ -121,6 +121,9 @@ class Batch:
         except ValueError as error:
             self.cancel()
             raise HTTPError(400, str(error)) from None
+        except RuntimeError as error:  # the engine is not running
+            self.cancel()
+            raise HTTPError(503, str(error), "server_error") from None
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, update: RequestUpdate) -> None:
         with contextlib.suppress(RuntimeError):  # the loop has closed: the server is shutting down
@@ -150,11 +153,14 @@ class Batch:
     async def finish_unless_gone(self, request: Request) -> bool:
         """Wait for every engine request; False (and cancelled) if the client went away first."""
         waiter, gone = asyncio.ensure_future(self.wait()), asyncio.ensure_future(_client_gone(request))
-        done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        gone.cancel()
+        try:
+            done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled (server shutdown)
+            waiter.cancel()
+            gone.cancel()
+            if not self.finished:
+                self.cancel()
         if waiter not in done:
-            self.cancel()
             return False
         if self.error:
             raise HTTPError(500, self.error, kind="server_error")

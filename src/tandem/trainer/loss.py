@@ -34,6 +34,11 @@ class LossInputs:
     entropy: torch.Tensor | None = None
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """r − 1 − log r per token: with tokens sampled from q, an unbiased estimate of KL(q ‖ p), never negative."""
+    return log_ratio.exp() - 1 - log_ratio
+
+
 def _kept_and_sides(config: LossConfig, p: torch.Tensor, q: torch.Tensor, ratio: torch.Tensor):
     """(kept, masked low side, masked high side) as bool tensors; no gradient flows through them."""
     if config.type == "ipo":
@@ -68,15 +73,15 @@ def policy_loss(config: LossConfig, inputs: LossInputs) -> tuple[torch.Tensor, d
         weight = ratio.detach().clamp(max=1 + config.cispo_eps_high)
         objective = -weight * advantages * logp
         clipped = r > 1 + config.cispo_eps_high
-    k3 = ratio - 1 - log_ratio
+    kl = k3(log_ratio)
     if config.kl_coef:
-        objective = objective + config.kl_coef * k3
+        objective = objective + config.kl_coef * kl
     loss = (weights * objective).sum()
     with torch.no_grad():
         metrics = {
             "masked_low": (weights * low).sum(),
             "masked_high": (weights * high).sum(),
-            "mismatch_kl": (weights * k3.detach()).sum(),
+            "mismatch_kl": (weights * kl.detach()).sum(),
             "ratio": (weights * r).sum(),
             "clip_fraction": (weights * clipped).sum(),
         }

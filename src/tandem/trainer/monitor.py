@@ -42,10 +42,16 @@ class Monitor:
             torch.cuda.reset_peak_memory_stats(self.world.device)
 
     def end_step(
-        self, step: int, sums: dict[str, torch.Tensor], values: dict[str, float | torch.Tensor], real_tokens: int
+        self,
+        step: int,
+        sums: dict[str, torch.Tensor],
+        values: dict[str, float | torch.Tensor],
+        real_tokens: int,
+        ratios: dict[str, tuple[str, str]] | None = None,
     ) -> None:
         """Record a step: `sums` are per-rank partial sums (added over ranks in one all-reduce),
-        `values` are already global (grad norm, LR); `real_tokens` counts non-padding tokens."""
+        `values` are already global (grad norm, LR); `real_tokens` counts non-padding tokens;
+        `ratios` names metrics computed as one global sum over another (None when the divisor is 0)."""
         names = list(sums)
         stacked = torch.stack([sums[name].float() for name in names])
         if dist.is_initialized() and self.world.world_size > 1:
@@ -55,6 +61,9 @@ class Monitor:
             return
         tokens_per_s = real_tokens / step_time
         record: dict[str, Any] = {"step": step, **dict(zip(names, stacked.tolist(), strict=True))}
+        for name, (numerator, denominator) in (ratios or {}).items():
+            top, bottom = record.pop(numerator), record.pop(denominator)
+            record[name] = top / bottom if bottom else None
         record.update({k: float(_full(v)) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
         record.update(
             tokens=real_tokens,
@@ -72,7 +81,11 @@ class Monitor:
             self.wandb.log(record, step=step)
         self.progress.update(self.task, completed=step, status=f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s")
         if step % self.config.log_interval == 0 or step == self.config.max_steps:
-            shown = "  ".join(f"{k} {record[k]:.4g}" for k in (*names, *values) if isinstance(record[k], float))
+            shown = "  ".join(
+                f"{k} {v:.4g}"
+                for k, v in record.items()
+                if k in (*sums, *values, *(ratios or {})) and isinstance(v, float)
+            )
             mfu = f"  mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
             logger.info(
                 "step %d/%d  %s  %s real tok/s  %.3fs  mem %.2f GiB%s",

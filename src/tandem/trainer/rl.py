@@ -17,7 +17,7 @@ from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
 from tandem.run import prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
-from tandem.trainer.loss import LossInputs, policy_loss
+from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.model import build_training_model, export_hf
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import init_distributed
@@ -30,8 +30,15 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def micro_batch_loss(model, micro: dict[str, torch.Tensor], config: TrainerConfig, device: torch.device):
-    """Forward one micro-batch: trainer logprobs under the rollouts' temperatures and sampling masks, then the loss."""
+def micro_batch_loss(
+    model, micro: dict[str, torch.Tensor], config: TrainerConfig, device: torch.device, current_version: int
+):
+    """Forward one micro-batch: trainer logprobs under the rollouts' temperatures and sampling masks, then the loss.
+
+    Tokens sampled by exactly the weights the trainer holds (`current_version`) measure the pure
+    trainer/inference mismatch (`mismatch_kl`); over all tokens the same estimator also includes the
+    policy lag of asynchronous sampling (`off_policy_kl`).
+    """
     micro = {name: tensor.to(device) for name, tensor in micro.items()}
     loss_tokens = micro["target_ids"] != -100
     kept = micro.get("kept_ids")
@@ -51,7 +58,12 @@ def micro_batch_loss(model, micro: dict[str, torch.Tensor], config: TrainerConfi
         entropy=out.entropy[loss_tokens] if out.entropy is not None else None,
     )
     loss, metrics = policy_loss(config.loss, inputs)
-    metrics["loss_tokens"] = loss_tokens.sum().float()
+    with torch.no_grad():
+        on_policy = (micro["versions"][loss_tokens] == current_version) * inputs.weights
+        metrics["off_policy_kl"] = metrics.pop("mismatch_kl")
+        metrics["mismatch_kl_sum"] = (on_policy * k3(inputs.logprobs - inputs.inference_logprobs)).sum()
+        metrics["on_policy_weight"] = on_policy.sum()
+        metrics["loss_tokens"] = loss_tokens.sum().float()
     return loss, metrics
 
 
@@ -76,7 +88,7 @@ def train(config: TrainerConfig) -> int:
             sums: dict[str, torch.Tensor] = {}
             for index, micro in enumerate(micros):
                 model.set_requires_gradient_sync(index == len(micros) - 1)
-                loss, metrics = micro_batch_loss(model, micro, config, world.device)
+                loss, metrics = micro_batch_loss(model, micro, config, world.device, current_version=step - 1)
                 # Weights already sum to 1 over the whole batch; FSDP averages over ranks, so undo that.
                 (loss * world.world_size).backward()
                 for name, value in {"loss": loss.detach(), **metrics}.items():
@@ -94,6 +106,7 @@ def train(config: TrainerConfig) -> int:
                 sums=sums,
                 values={"grad_norm": grad_norm, "lr": lr, "samples": header.get("num_samples", 0)},
                 real_tokens=header.get("num_tokens", 0),
+                ratios={"mismatch_kl": ("mismatch_kl_sum", "on_policy_weight")},
             )
             if config.ckpt.interval and step % config.ckpt.interval == 0:
                 ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
