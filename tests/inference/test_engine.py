@@ -234,3 +234,24 @@ def test_compiled_decode_step_gives_the_same_tokens(make_engine):
     with skip_without_inductor_toolchain():
         got = make_engine(compile=True).generate(prompts, params)
     assert [s[0].token_ids for s in got] == [s[0].token_ids for s in expected]
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(make_engine):
+    engine = make_engine()
+    prefill = engine.model.prefill
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return prefill(*args)
+
+    engine.model.prefill = flaky
+    with pytest.raises(RuntimeError, match="engine step failed: RuntimeError: boom"):
+        engine.generate([[5, 6, 7]], GREEDY)
+    assert len(engine.generate([[5, 6, 7]], GREEDY)[0][0].token_ids) > 0
+    assert engine.alive
+    engine.stop()
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.submit([5], GREEDY, lambda update: None)

@@ -44,6 +44,10 @@ def test_openai_client_completions(server, tokenizer):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert chunks[-1].choices[0].finish_reason == "length"
+    several = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert several.choices[2].text == several.choices[3].text == _greedy_text(server, [8, 9], 4)
+    assert several.usage.prompt_tokens == 5 and several.usage.completion_tokens == 16
 
 
 def test_openai_client_chat_and_streaming(server, tokenizer):
