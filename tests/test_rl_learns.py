@@ -1,0 +1,55 @@
+"""Proof that `tandem rl` learns: from a tiny model SFT'd in the test, the reward of an easy env rises.
+
+The reverse-text reward itself does not rise within a CI budget from a half-trained tiny model
+(measured: 0.32 -> 0.35 over 60 steps), so the proof uses `rl_toy_env.LetterE`: the same prompts,
+rewarded by the fraction of 'e' characters in the reply, which a 4-layer model can learn in 20 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "reverse_text"
+
+
+def run(command, timeout, env=None):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rl_raises_the_reward_with_tiny_mismatch(tmp_path):
+    data = tmp_path / "data"
+    run([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], 120)
+    tandem = [sys.executable, "-m", "tandem"]
+    sft = ["--model.name", str(data / "model"), "--data.path", str(data / "train.jsonl"), "--output-dir", str(tmp_path)]
+    run([*tandem, "sft", "@", str(EXAMPLE / "sft.toml"), *sft, "--max-steps", "50"], 300)
+    sources = tmp_path / "sources.toml"
+    sources.write_text(
+        '[[orchestrator.source]]\nid = "rl_toy_env:LetterE"\nsampling = { temperature = 1.0, max_tokens = 24 }\n'
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    start = tmp_path / "reverse-text-sft" / "hf" / "final"
+    run([*tandem, "rl", "@", str(EXAMPLE / "rl.toml"), "@", str(sources), "--model.name", str(start),
+         "--output-dir", str(tmp_path), "--max-steps", "20", "--trainer.optim.lr", "3e-4"], 300, env)  # fmt: skip
+    run_dir = tmp_path / "reverse-text-rl"
+    rewards = [r["reward"] for r in records(run_dir / "orchestrator_metrics.jsonl")]
+    trainer = records(run_dir / "metrics.jsonl")
+    assert len(rewards) == len(trainer) == 20
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"reward: first 3 steps {first:.3f}, last 3 steps {last:.3f}")
+    # Measured 0.14 -> 0.36 and 0.14 -> 0.44 in two runs on 2 CPU cores; the margin asked for is well
+    # above the batch-to-batch noise (~0.02).
+    assert last > first + 0.1, rewards
+    # With async_level 1 only step 1 trains on tokens its own weights sampled (later batches are one
+    # policy behind): that step measures the trainer/inference mismatch; test_rl_e2e checks every step.
+    assert trainer[0]["mismatch_kl"] is not None and abs(trainer[0]["mismatch_kl"]) < 1e-3
+    assert all(r["off_policy_kl"] < 1.0 for r in trainer)
