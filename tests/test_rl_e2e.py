@@ -22,7 +22,11 @@ def records(path):
 
 def write_sources(tmp_path, env_id="reverse_text"):
     path = tmp_path / "sources.toml"
-    path.write_text(f'[[orchestrator.source]]\nid = "{env_id}"\nsampling = {{ max_tokens = 16 }}\n')
+    path.write_text(
+        f'[[orchestrator.source]]\nid = "{env_id}"\nsampling = {{ max_tokens = 16 }}\n'
+        "[orchestrator.eval]\ninterval = 2\n"
+        '[[orchestrator.eval.source]]\nid = "arithmetic"\nargs = { num_tasks = 3 }\nsampling = { max_tokens = 8 }\n'
+    )
     return str(path)
 
 
@@ -33,7 +37,9 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "rl"
-    trainer, rollouts = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    trainer, stream = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    rollouts = [r for r in stream if r.get("kind") != "eval"]
+    evals = [r for r in stream if r.get("kind") == "eval"]
     assert [r["step"] for r in trainer] == [r["step"] for r in rollouts] == [1, 2, 3]
     # async_level 0: batch N is sampled by policy N-1, which the trainer holds at step N, so the
     # measured mismatch is the numerical one between the trainer and the inference engine.
@@ -43,6 +49,11 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     for step in (1, 2, 3):
         assert (run_dir / "policies" / f"step-{step:06d}" / "COMPLETE").exists()
     assert "step 3/3" in result.stderr
+    # online evals every 2 steps, through the eval stack, in the same metrics stream
+    assert [e["step"] for e in evals] == [2]
+    assert sum(evals[0][f"eval/arithmetic/{o}"] for o in ("ok", "truncated", "timeout", "error")) == 3
+    assert evals[0]["eval/arithmetic/error"] == 0 and evals[0]["eval/arithmetic/reward"] is not None
+    assert len((run_dir / "evals" / "step-000002" / "traces.jsonl").read_text().splitlines()) == 3
 
 
 def test_a_failing_child_stops_the_run_with_its_error(tiny_model_dir, tmp_path):

@@ -159,8 +159,7 @@ def run_rl(config: RlConfig) -> int:
                     _tail(child.log),
                 )
                 return 1
-            trainer = next(c for c in children if c.name == "trainer")
-            if trainer.process.poll() == 0:
+            if all(c.process.poll() == 0 for c in children if c.name != "inference"):
                 progress.refresh()
                 logger.info("done: %d steps; policies in %s", config.max_steps, config.run_dir / "policies")
                 return 0

@@ -39,7 +39,12 @@ class RlProgress:
 
     def refresh(self) -> None:
         for record in self.orchestrator.new_records():
-            self.rollouts[record["step"]] = record
+            if record.get("kind") == "eval":
+                logger.info(
+                    "eval at step %d: %s", record["step"], {k: v for k, v in record.items() if k.endswith("/reward")}
+                )
+            else:
+                self.rollouts[record["step"]] = record
         for record in self.trainer.new_records():
             step = record["step"]
             rollout = self.rollouts.get(step, {})

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import RunConfig
+from tandem.config.eval import ConcurrencyConfig, EvalSourceConfig
 from tandem.envs.config import EnvConfig
 
 
@@ -55,6 +56,23 @@ class InferencePoolConfig(Section):
     """How long to wait for the servers' /health at start."""
 
 
+class OnlineEvalConfig(Section):
+    interval: int = Field(0, ge=0)
+    """Evaluate the served policy every this many steps (0: no online evals)."""
+    source: list[EvalSourceConfig] = Field(default_factory=list)
+    """`[[orchestrator.eval.source]]` blocks, as `[[source]]` in `tandem eval` (bound infinite tasksets with select.limit)."""
+    concurrency: ConcurrencyConfig = ConcurrencyConfig()
+    """Adaptive requests in flight for the eval rollouts (they share the servers with training rollouts)."""
+
+    @model_validator(mode="after")
+    def _sources_when_on(self) -> OnlineEvalConfig:
+        if self.interval and not self.source:
+            raise ValueError("eval.interval is set but there is no [[orchestrator.eval.source]] block")
+        for source in self.source:
+            source.name = source.name or source.id
+        return self
+
+
 class OrchestratorConfig(RunConfig):
     command: ClassVar[str] = "orchestrator"
 
@@ -82,6 +100,8 @@ class OrchestratorConfig(RunConfig):
     """The inference servers."""
     source: list[TrainSourceConfig] = Field(default_factory=list)
     """Training sources: `[[orchestrator.source]]` blocks (id, args, select, weight, sampling)."""
+    eval: OnlineEvalConfig = OnlineEvalConfig()
+    """Online evals of the served policy, through the eval stack."""
     batch_timeout_s: float = Field(1800.0, gt=0)
     """Fail if a batch cannot be filled within this time (e.g. every group is filtered out)."""
     policy_timeout_s: float = Field(1800.0, gt=0)

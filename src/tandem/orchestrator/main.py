@@ -24,6 +24,7 @@ from tandem.config.orchestrator import OrchestratorConfig
 from tandem.eval.client import RequestError
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch
+from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Source, TaskSampler, load_sources
 from tandem.run import atomic_write_text, prepare_run_dir
@@ -238,6 +239,34 @@ class Orchestrator:
                 raise TimeoutError(f"no policy >= {version} from the trainer in {self.config.policy_timeout_s:.0f}s")
             await asyncio.sleep(0.05)
 
+    # -- online evals -----------------------------------------------------------------------------
+
+    def _write_metrics(self, record: dict[str, Any]) -> None:
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+
+    async def _online_eval(self, step: int) -> None:
+        """Evaluate the policy being served, beside the training rollouts; one `kind = "eval"` record."""
+        version, started = self.pool.version, time.monotonic()
+        out_dir = self.run_dir / "evals" / f"step-{step:06d}"
+        inference = self.config.inference
+        metrics = await run_online_eval(self.config.eval, inference.base_urls[0], inference.admin_token, out_dir)
+        self._write_metrics(
+            {
+                "step": step,
+                "kind": "eval",
+                "policy_version": version,
+                **metrics,
+                "eval_time_s": time.monotonic() - started,
+            }
+        )
+        logger.info(
+            "eval at step %d (policy %d): %s",
+            step,
+            version,
+            {k: v for k, v in metrics.items() if k.endswith("/reward")},
+        )
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _state_path(self) -> Path:
@@ -265,8 +294,10 @@ class Orchestrator:
         await self.pool.wait_healthy()
         followers = asyncio.gather(self._follow_policies(), self._producer())
         metrics_path = self.run_dir / "orchestrator_metrics.jsonl"
+        evals: list[asyncio.Task] = []
         try:
             with metrics_path.open("a", encoding="utf-8") as metrics_file:
+                self._metrics_file = metrics_file
                 for step in range(resume_step + 1, self.config.max_steps + 1):
                     self.filling = step
                     await self._wait_for_policy(step - 1 - self.config.async_level)
@@ -280,8 +311,9 @@ class Orchestrator:
                     write_batch(self.run_dir / "batches", step, ranks, meta)
                     self._save_state(step, history)
                     record = self._metrics(step, groups, records)
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
+                    self._write_metrics(record)
+                    if self.config.eval.interval and step % self.config.eval.interval == 0:
+                        evals.append(asyncio.create_task(self._online_eval(step)))
                     logger.info(
                         "batch %d/%d  reward %.3f  dropped %s  policy %d  %.1fs",
                         step,
@@ -293,7 +325,12 @@ class Orchestrator:
                     )
                     if followers.done():
                         followers.result()
+                for finished in await asyncio.gather(*evals, return_exceptions=True):
+                    if isinstance(finished, BaseException):
+                        raise finished
         finally:
+            for task in evals:
+                task.cancel()
             followers.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await followers
