@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 
 def tandem_rl(model_dir, out, *flags, timeout=300):
@@ -57,6 +61,67 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
 
 
 def test_a_failing_child_stops_the_run_with_its_error(tiny_model_dir, tmp_path):
-    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", write_sources(tmp_path, "no_such_env"), "--max-steps", "2")
+    result = tandem_rl(
+        tiny_model_dir("qwen3"), tmp_path, "@", write_sources(tmp_path, "no_such_env"), "--max-steps", "2"
+    )
     assert result.returncode == 1
     assert "orchestrator exited" in result.stderr and "no_such_env" in result.stderr
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir, tmp_path):
+    flags = [
+        "--max-steps", "8", "--trainer.ckpt.interval", "2", "--orchestrator.async-level", "0",
+        "--orchestrator.no-filter-zero-advantage",
+    ]  # fmt: skip
+    sources = write_sources(tmp_path)
+    command = [sys.executable, "-m", "tandem", "rl", "--model", str(tiny_model_dir("qwen3")), "--model.dtype",
+               "float32", "--seq-len", "256", "--output-dir", str(tmp_path), "--run-name", "rl",
+               "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4", "@", sources, *flags]  # fmt: skip
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir = tmp_path / "rl"
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "step-000004" / "state.json").exists():
+        assert launcher.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    while _processes_mentioning(str(run_dir)):  # the children follow their parent (PR_SET_PDEATHSIG)
+        assert time.monotonic() < deadline, "children outlived the killed tandem rl"
+        time.sleep(0.1)
+    result = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    trainer = records(run_dir / "metrics.jsonl")
+    rollouts = [r for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"]
+    assert [r["step"] for r in trainer] == list(range(1, 9))
+    assert [r["step"] for r in rollouts] == list(range(1, 9))
+    assert all((run_dir / "policies" / f"step-{s:06d}" / "COMPLETE").exists() for s in range(1, 9))
+    assert all(r["mismatch_kl"] is not None and abs(r["mismatch_kl"]) < 1e-3 for r in trainer)
+
+
+def test_top_k_top_p_rollouts_replay_the_same_distribution_in_the_trainer(tiny_model_dir, tmp_path):
+    sources = tmp_path / "truncated.toml"
+    sources.write_text(
+        '[[orchestrator.source]]\nid = "reverse_text"\nsampling = { top_k = 20, top_p = 0.8, max_tokens = 16 }\n'
+    )
+    flags = ["--max-steps", "2", "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage"]
+    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", str(sources), *flags)
+    assert result.returncode == 0, result.stderr[-4000:]
+    from tandem.transport.batches import read_batch
+
+    micros, _ = read_batch(tmp_path / "rl" / "batches", 1, 0, 1)
+    kept = micros[0]["kept_ids"][micros[0]["target_ids"] != -100]
+    assert (kept >= 0).any(dim=-1).all() and ((kept >= 0).sum(dim=-1) <= 20).all()  # every token's top-k set
+    # p (trainer, renormalised over the kept set) and q (engine) are the same distribution: KL ~ 0
+    assert all(abs(r["mismatch_kl"]) < 1e-6 for r in records(tmp_path / "rl" / "metrics.jsonl"))

@@ -9,6 +9,7 @@ policies written after it are removed, so no step is lost or counted twice.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -56,10 +57,21 @@ def _start(name: str, command: list[str], run_dir: Path, env: dict[str, str]) ->
     log.parent.mkdir(parents=True, exist_ok=True)
     handle = log.open("w")
     process = subprocess.Popen(
-        command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+        command,
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     logger.info("started %s (pid %d): %s", name, process.pid, " ".join(command))
     return Child(name, process, log)
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when `tandem rl` dies, even by SIGKILL, so no server is left running."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stop(children: list[Child], timeout_s: float = 30.0) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -29,6 +30,22 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """Rewrite a per-step JSONL file without the records past `step` (and any half-written line), so a
+    run resumed from step `step`'s checkpoint never counts a later step twice."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line half-written when the process was killed
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
 def setup_logging(level: str, log_file: Path | None = None) -> None:

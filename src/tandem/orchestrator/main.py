@@ -27,7 +27,7 @@ from tandem.orchestrator.batching import TrainSample, pack_batch
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Source, TaskSampler, load_sources
-from tandem.run import atomic_write_text, prepare_run_dir
+from tandem.run import atomic_write_text, keep_steps_up_to, prepare_run_dir
 from tandem.transport.batches import write_batch
 from tandem.transport.policies import latest_policy, policy_dir
 
@@ -294,6 +294,7 @@ class Orchestrator:
         await self.pool.wait_healthy()
         followers = asyncio.gather(self._follow_policies(), self._producer())
         metrics_path = self.run_dir / "orchestrator_metrics.jsonl"
+        keep_steps_up_to(metrics_path, resume_step)
         evals: list[asyncio.Task] = []
         try:
             with metrics_path.open("a", encoding="utf-8") as metrics_file:

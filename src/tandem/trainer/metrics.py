@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tandem.run import keep_steps_up_to
+
 logger = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s by device name fragment (the torchtitan convention: no sparsity).
@@ -40,25 +42,11 @@ class MetricsWriter:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step and path.exists():
-            self._truncate_after(resume_step)
-        elif not resume_step:
+        if resume_step:
+            keep_steps_up_to(path, resume_step)
+        else:
             path.unlink(missing_ok=True)
         self._handle = path.open("a", encoding="utf-8")
-
-    def _truncate_after(self, step: int) -> None:
-        """Drop lines past the resumed step, so a resumed run never double-counts a step."""
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line half-written when the process was killed
-            if record.get("step", 0) <= step:
-                kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-        tmp.replace(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._handle.write(json.dumps(record) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import warnings
 
 import torch
@@ -82,7 +83,9 @@ def train(config: TrainerConfig) -> int:
     monitor = Monitor(config, world, info, start_step)
     try:
         for step in range(start_step + 1, config.max_steps + 1):
+            waiting = time.monotonic()
             wait_for_batch(batches, step, config.batch_timeout_s)
+            idle_s = time.monotonic() - waiting  # trainer idle time: waiting for the orchestrator
             monitor.start_step()
             micros, header = read_batch(batches, step, world.rank, world.world_size)
             sums: dict[str, torch.Tensor] = {}
@@ -104,7 +107,7 @@ def train(config: TrainerConfig) -> int:
             monitor.end_step(
                 step,
                 sums=sums,
-                values={"grad_norm": grad_norm, "lr": lr, "samples": header.get("num_samples", 0)},
+                values={"grad_norm": grad_norm, "lr": lr, "samples": header.get("num_samples", 0), "idle_s": idle_s},
                 real_tokens=header.get("num_tokens", 0),
                 ratios={"mismatch_kl": ("mismatch_kl_sum", "on_policy_weight")},
             )
