@@ -39,17 +39,17 @@ def test_rl_raises_the_reward_with_tiny_mismatch(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
     start = tmp_path / "reverse-text-sft" / "hf" / "final"
     run([*tandem, "rl", "@", str(EXAMPLE / "rl.toml"), "@", str(sources), "--model.name", str(start),
-         "--output-dir", str(tmp_path), "--max-steps", "20", "--trainer.optim.lr", "3e-4"], 300, env)  # fmt: skip
+         "--output-dir", str(tmp_path), "--max-steps", "20", "--trainer.optim.lr", "3e-4",
+         "--orchestrator.async-level", "0"], 300, env)  # fmt: skip
     run_dir = tmp_path / "reverse-text-rl"
     rewards = [r["reward"] for r in records(run_dir / "orchestrator_metrics.jsonl")]
     trainer = records(run_dir / "metrics.jsonl")
     assert len(rewards) == len(trainer) == 20
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(f"reward: first 3 steps {first:.3f}, last 3 steps {last:.3f}")
-    # Measured 0.14 -> 0.36 and 0.14 -> 0.44 in two runs on 2 CPU cores; the margin asked for is well
-    # above the batch-to-batch noise (~0.02).
+    # Measured 0.15 -> 0.42 and 0.14 -> 0.49 (async_level 0) and 0.14 -> 0.36 / 0.44 (async_level 1) on 2 CPU cores; the
+    # margin asked for is well above the batch-to-batch noise (~0.02).
     assert last > first + 0.1, rewards
-    # With async_level 1 only step 1 trains on tokens its own weights sampled (later batches are one
-    # policy behind): that step measures the trainer/inference mismatch; test_rl_e2e checks every step.
-    assert trainer[0]["mismatch_kl"] is not None and abs(trainer[0]["mismatch_kl"]) < 1e-3
-    assert all(r["off_policy_kl"] < 1.0 for r in trainer)
+    # async_level 0: every batch is sampled by the weights the trainer holds when it trains it, so every
+    # step measures the trainer/inference mismatch itself (with async_level 1 it would include the lag).
+    assert all(r["mismatch_kl"] is not None and abs(r["mismatch_kl"]) < 1e-3 for r in trainer), trainer
