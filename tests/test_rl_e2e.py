@@ -125,3 +125,21 @@ def test_top_k_top_p_rollouts_replay_the_same_distribution_in_the_trainer(tiny_m
     assert (kept >= 0).any(dim=-1).all() and ((kept >= 0).sum(dim=-1) <= 20).all()  # every token's top-k set
     # p (trainer, renormalised over the kept set) and q (engine) are the same distribution: KL ~ 0
     assert all(abs(r["mismatch_kl"]) < 1e-6 for r in records(tmp_path / "rl" / "metrics.jsonl"))
+
+
+def test_ctrl_c_stops_every_process(tiny_model_dir, tmp_path):
+    command = [sys.executable, "-m", "tandem", "rl", "--model", str(tiny_model_dir("qwen3")), "--model.dtype",
+               "float32", "--seq-len", "256", "--output-dir", str(tmp_path), "--run-name", "rl",
+               "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4", "@", write_sources(tmp_path),
+               "--max-steps", "1000"]  # fmt: skip
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "rl"
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr
+    assert not _processes_mentioning(str(run_dir))  # every child was stopped before tandem rl returned
