@@ -10,11 +10,11 @@ policies written after it are removed, so no step is lost or counted twice.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,12 +37,6 @@ class Child:
     name: str
     process: subprocess.Popen
     log: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _devices(gpus: list[int]) -> dict[str, str]:
@@ -106,18 +100,10 @@ def _resume_step(config: RlConfig) -> int:
 
 
 def _configure(config: RlConfig, resume_step: int) -> RlConfig:
-    """Wire the sections together: the server's address, the trainer's world size, resume points."""
-    port = config.inference.port or _free_port()
+    """Wire the sections together: the trainer's world size and the resume points."""
     updates = {
-        "inference": config.inference.model_copy(update={"port": port}),
         "orchestrator": config.orchestrator.model_copy(
-            update={
-                "trainer_ranks": config.deploy.trainer_nproc,
-                "resume_step": resume_step,
-                "inference": config.orchestrator.inference.model_copy(
-                    update={"base_urls": [f"http://{config.inference.host}:{port}"]}
-                ),
-            }
+            update={"trainer_ranks": config.deploy.trainer_nproc, "resume_step": resume_step}
         ),
     }
     if resume_step:
@@ -127,22 +113,38 @@ def _configure(config: RlConfig, resume_step: int) -> RlConfig:
     return config.model_copy(update=updates)
 
 
-def _commands(config: RlConfig) -> dict[str, list[str]]:
-    run_dir = config.run_dir
-    files = {}
-    for name in ("inference", "trainer", "orchestrator"):
-        files[name] = run_dir / f"{name}.toml"
-        atomic_write_text(files[name], to_toml(getattr(config, name)))
+def _with_server(config: RlConfig, url: str) -> RlConfig:
+    pool = config.orchestrator.inference.model_copy(update={"base_urls": [url]})
+    return config.model_copy(update={"orchestrator": config.orchestrator.model_copy(update={"inference": pool})})
+
+
+def _command(name: str, config: RlConfig) -> list[str]:
+    """Write the process's resolved config next to the others and return the command that runs it."""
+    file = config.run_dir / f"{name}.toml"
+    atomic_write_text(file, to_toml(getattr(config, name)))
     python = [sys.executable, "-m"]
-    trainer = [*python, "tandem", "trainer", "@", str(files["trainer"])]
-    if config.deploy.trainer_nproc > 1:
-        trainer = [*python, "torch.distributed.run", "--standalone", f"--nproc-per-node={config.deploy.trainer_nproc}"]
-        trainer += ["-m", "tandem.trainer.rl", "@", str(files["trainer"])]
-    return {
-        "inference": [*python, "tandem", "inference", "@", str(files["inference"])],
-        "trainer": trainer,
-        "orchestrator": [*python, "tandem", "orchestrator", "@", str(files["orchestrator"])],
-    }
+    if name == "trainer" and config.deploy.trainer_nproc > 1:
+        launcher = [*python, "torch.distributed.run", "--standalone", f"--nproc-per-node={config.deploy.trainer_nproc}"]
+        return [*launcher, "-m", "tandem.trainer.rl", "@", str(file)]
+    return [*python, "tandem", name, "@", str(file)]
+
+
+def _wait_for_server(path: Path, server: Child, timeout_s: float) -> str:
+    """The URL the inference server announces in `server.json` once it listens (it may pick its port)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if server.process.poll() is not None:
+            raise ChildFailed(server)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the inference server wrote no {path} within {timeout_s:.0f}s; see {server.log}")
+        time.sleep(0.1)
+    return json.loads(path.read_text())["url"]
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, child: Child):
+        self.child = child
+        super().__init__(child.name)
 
 
 def run_rl(config: RlConfig) -> int:
@@ -150,35 +152,48 @@ def run_rl(config: RlConfig) -> int:
     prepare_run_dir(config, "rl")
     resume_step = _resume_step(config) if config.resume.enabled else 0
     config = _configure(config, resume_step)
-    commands = _commands(config)
+    (config.run_dir / "server.json").unlink(missing_ok=True)  # left by an earlier, killed run
     devices = {
         "inference": _devices(config.deploy.inference_gpus),
         "trainer": _devices(config.deploy.trainer_gpus),
         "orchestrator": {"CUDA_VISIBLE_DEVICES": ""},
     }
-    children = [_start(name, commands[name], config.run_dir, devices[name]) for name in commands]
-    progress = RlProgress(config, resume_step)
+    children: list[Child] = []
+    progress = None
     try:
+        for name in ("inference", "trainer"):
+            children.append(_start(name, _command(name, config), config.run_dir, devices[name]))
+        url = _wait_for_server(
+            config.run_dir / "server.json", children[0], config.orchestrator.inference.startup_timeout_s
+        )
+        config = _with_server(config, url)
+        children.append(
+            _start("orchestrator", _command("orchestrator", config), config.run_dir, devices["orchestrator"])
+        )
+        progress = RlProgress(config, resume_step)
         while True:
             progress.refresh()
-            failed = [c for c in children if c.process.poll() not in (None, 0)]
-            if failed:
-                child = failed[0]
-                logger.error(
-                    "%s exited with code %d; stopping the others. Its log:\n%s",
-                    child.name,
-                    child.process.returncode,
-                    _tail(child.log),
-                )
-                return 1
+            failed = next((c for c in children if c.process.poll() not in (None, 0)), None)
+            if failed is not None:
+                raise ChildFailed(failed)
             if all(c.process.poll() == 0 for c in children if c.name != "inference"):
                 progress.refresh()
                 logger.info("done: %d steps; policies in %s", config.max_steps, config.run_dir / "policies")
                 return 0
             time.sleep(0.2)
+    except ChildFailed as error:
+        child = error.child
+        logger.error(
+            "%s exited with code %d; stopping the others. Its log:\n%s",
+            child.name,
+            child.process.returncode,
+            _tail(child.log),
+        )
+        return 1
     except KeyboardInterrupt:
         logger.warning("interrupted: stopping every process")
         return 130
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
         _stop(children)
