@@ -76,7 +76,10 @@ COMMANDS = {
             "tandem.trainer.rl:train",
         ),
         Command(
-            "dashboard", "A local web page over every run and eval.", "tandem.config.dashboard:DashboardConfig", issue=8
+            "dashboard",
+            "A local web page over every run and eval.",
+            "tandem.config.dashboard:DashboardConfig",
+            "tandem.dashboard.main:run",
         ),
     ]
 }
