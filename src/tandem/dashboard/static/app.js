@@ -117,8 +117,9 @@ async function runPage() {
     for (const { chart, box, svg } of views) {
       const series = chartSeries(chart, data);
       drawChart(svg, series);
-      box.querySelector(".legend").replaceChildren(...series.filter((s) => s.points.length).map((s, i) =>
-        el("span", { style: `color:${COLORS[i % COLORS.length]}` }, `${s.label}: ${fmt(s.points[s.points.length - 1][1])}`)));
+      const legend = series.map((s, i) => s.points.length &&
+        el("span", { style: `color:${COLORS[i % COLORS.length]}` }, `${s.label}: ${fmt(s.points[s.points.length - 1][1])}`));
+      box.querySelector(".legend").replaceChildren(...legend.filter(Boolean));
     }
   }
   await refresh();
@@ -149,6 +150,12 @@ async function indexPage() {
 
 const OUTCOMES = ["ok", "truncated", "timeout", "error"];
 
+// A prompt or completion: a string, or chat messages shown as "role: content" lines.
+function chatText(value) {
+  if (Array.isArray(value)) return value.map((m) => `${m.role}: ${m.content}`).join("\n");
+  return value === null || value === undefined ? "" : String(value);
+}
+
 async function evalPage() {
   document.getElementById("title").textContent = RUN_NAME;
   const base = `/api/evals/${encodeURIComponent(RUN_NAME)}`;
@@ -178,16 +185,16 @@ async function evalPage() {
     document.getElementById("count").textContent =
       `${data.total} matching, showing ${data.total ? offset + 1 : 0}-${offset + data.samples.length}`;
     document.querySelector("#samples tbody").replaceChildren(...data.samples.map((s) => {
-      const messages = s.prompt ?? s.messages ?? "";
-      const prompt = Array.isArray(messages) ? messages.map((m) => `${m.role}: ${m.content}`).join("\n") : String(messages);
       const pre = (text) => { const td = el("td"); td.appendChild(el("pre", {}, text ?? "")); return td; };
-      return row([s.source, s.task?.id, s.outcome, s.reward, pre(prompt), pre(s.completion), pre(JSON.stringify(s.metrics ?? {}))],
+      return row([s.source, s.task?.id, s.outcome, s.reward, pre(chatText(s.prompt ?? s.messages)), pre(chatText(s.completion)), pre(JSON.stringify(s.metrics ?? {}))],
         { "data-outcome": s.outcome });
     }));
     total = data.total;
     document.getElementById("samples").dataset.total = String(total);
   }
+  const initial = new URLSearchParams(location.search);  // filters can come from the URL: ?outcome=timeout
   for (const id of ["outcome", "min_reward", "max_reward"]) {
+    if (initial.has(id)) document.getElementById(id).value = initial.get(id);
     document.getElementById(id).addEventListener("change", () => { offset = 0; refreshSamples().catch(console.error); });
   }
   document.getElementById("prev").onclick = () => { offset = Math.max(0, offset - limit); refreshSamples(); };

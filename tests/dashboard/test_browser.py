@@ -1,0 +1,152 @@
+"""End to end: real tiny SFT and eval runs, the dashboard serving them, headless Chromium rendering its pages."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_server import FakeServer
+
+from tandem.cli import main
+from tandem.eval.traces import read_traces
+
+CHROMIUM = shutil.which("chromium")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)"),
+]
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--virtual-time-budget=8000",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def chromium(tmp_path: Path, *args: str) -> str:
+    profile = tmp_path / f"profile-{time.monotonic_ns()}"
+    command = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def reverse_text_rows(path: Path) -> Path:
+    from tandem.envs import load_taskset
+
+    with path.open("w") as handle:
+        for task in load_taskset("reverse_text", num_tasks=16).tasks():
+            messages = [*task.messages(), {"role": "assistant", "content": task.answer}]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def sft_run(outputs: Path, model_dir: Path, data: Path) -> None:
+    flags = [
+        "--model", str(model_dir), "--model.dtype", "float32", "--data.path", str(data), "--seq-len", "128",
+        "--batch-size", "2", "--max-steps", "3", "--output-dir", str(outputs), "--run-name", "tiny-sft",
+    ]  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "tandem", "sft", *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def eval_run(outputs: Path) -> Counter:
+    """A reverse_text eval against the fake server: right, echoed and timed-out answers. Returns outcome counts."""
+    calls = iter(range(1000))
+    server = FakeServer(answer=lambda messages: str(messages[-1]["content"])[::-1]).start()
+    server.delay = lambda messages: 0.5 if next(calls) % 3 == 0 else 0.0
+    try:
+        common = ["--base-url", f"{server.url}/v1", "--output-dir", str(outputs), "--run-name", "tiny-eval"]
+        flags = ["--env.args", "{num_tasks = 6}", "--env.timeout-s", "0.2", "--env.retries.backoff-s", "0.001"]
+        assert main(["eval", "reverse_text", *flags, *common]) == 0
+    finally:
+        server.stop()
+    return Counter(record["outcome"] for record in read_traces(outputs / "tiny-eval" / "traces.jsonl"))
+
+
+def polylines(page: str, chart: str) -> dict[str, tuple[int, int]]:
+    """{series label: (points, last step)} of one chart in a dumped DOM."""
+    svg = re.search(rf'<svg data-chart="{chart}"[^>]*>.*?</svg>', page, re.S)
+    assert svg, f"no {chart} chart"
+    found = re.findall(r'<polyline[^>]*data-series="([^"]+)" data-points="(\d+)" data-last-step="(\d+)"', svg.group(0))
+    return {label: (int(points), int(last)) for label, points, last in found}
+
+
+def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, outputs):
+    synthetic_rl = outputs / "rl-run"
+    outputs = tmp_path / "outputs"
+    sft_run(outputs, tiny_model_dir("qwen3"), reverse_text_rows(tmp_path / "reverse_text.jsonl"))
+    outcomes = eval_run(outputs)
+    shutil.copytree(synthetic_rl, outputs / "rl-run")  # RL charts: no real RL run is cheap enough here
+    assert outcomes["timeout"] >= 1 and outcomes["timeout"] < sum(outcomes.values())
+
+    port = free_port()
+    command = [sys.executable, "-m", "tandem", "dashboard", "--outputs", str(outputs), "--port", str(port)]
+    dashboard = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                runs = httpx.get(f"{base}/api/runs").json()["runs"]
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and dashboard.poll() is None, "the dashboard did not start"
+                time.sleep(0.1)
+        assert {run["name"]: (run["kind"], run["status"]) for run in runs} == {
+            "tiny-sft": ("sft", "finished"),
+            "tiny-eval": ("eval", "finished"),
+            "rl-run": ("rl", "finished"),
+        }
+
+        index = chromium(tmp_path, "--dump-dom", f"{base}/")
+        assert 'href="/run/tiny-sft"' in index and 'href="/eval/tiny-eval"' in index
+
+        run_page = chromium(tmp_path, "--dump-dom", f"{base}/run/tiny-sft")
+        assert polylines(run_page, "loss") == {"loss": (3, 3)}
+        assert polylines(run_page, "grad_norm") == {"grad norm": (3, 3)}
+        assert polylines(run_page, "tokens_per_s") == {"trainer": (3, 3)}
+        assert polylines(run_page, "step_time") == {"trainer step": (3, 3)}
+
+        rl_page = chromium(tmp_path, "--dump-dom", f"{base}/run/rl-run")
+        assert polylines(rl_page, "reward") == {"overall": (5, 5), "reward/a": (5, 5)}
+        assert polylines(rl_page, "masked") == {"low": (5, 5), "high": (5, 5)}
+        assert polylines(rl_page, "staleness") == {"mean lag": (5, 5)}
+        assert polylines(rl_page, "online_eval") == {"eval/a/reward": (1, 2)}
+
+        eval_page = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval")
+        row = re.search(r'<tr data-source="reverse_text">.*?</tr>', eval_page, re.S)
+        assert row, eval_page[-2000:]
+        for outcome in ("ok", "truncated", "timeout", "error"):
+            assert f'<td data-outcome="{outcome}">{outcomes[outcome]}</td>' in row.group(0), (outcome, row.group(0))
+        timeouts = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval?outcome=timeout")
+        assert f'data-total="{outcomes["timeout"]}"' in timeouts
+        assert re.findall(r'<tr data-outcome="(\w+)"', timeouts) == ["timeout"] * outcomes["timeout"]
+        summary = json.loads((outputs / "tiny-eval" / "summary.json").read_text())["sources"]["reverse_text"]
+        assert summary["outcomes"] == {o: outcomes[o] for o in summary["outcomes"]}
+        assert f'data-total="{sum(outcomes.values())}"' in eval_page
+        first = next(r for r in read_traces(outputs / "tiny-eval" / "traces.jsonl") if r["outcome"] == "ok")
+        assert f"assistant: {first['completion'][0]['content'].splitlines()[0]}" in eval_page
+
+        pages = [("dashboard-index.png", "/"), ("dashboard-sft.png", "/run/tiny-sft"), ("dashboard-rl.png", "/run/rl-run")]
+        for name, url in [*pages, ("dashboard-eval.png", "/eval/tiny-eval")]:
+            screenshot = tmp_path / name
+            chromium(tmp_path, f"--screenshot={screenshot}", "--window-size=1280,1600", f"{base}{url}")
+            assert screenshot.stat().st_size > 10_000
+            print(f"screenshot: {screenshot}")
+    finally:
+        dashboard.terminate()
+        dashboard.wait(timeout=10)
