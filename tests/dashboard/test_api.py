@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -30,6 +32,15 @@ def test_metrics_split_trainer_orchestrator_and_online_evals(client):
 def test_metrics_are_downsampled(client):
     data = client.get("/api/runs/rl-run/metrics?max_points=3").json()
     assert [r["step"] for r in data["trainer"]] == [1, 3, 5]
+
+
+def test_thousands_of_steps_come_back_as_at_most_max_points(client, outputs):
+    path = outputs / "rl-run" / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 10_001)))
+    data = client.get("/api/runs/rl-run/metrics?max_points=400").json()
+    assert data["steps"]["trainer"] == 10_000
+    steps = [r["step"] for r in data["trainer"]]
+    assert len(steps) == 400 and steps[0] == 1 and steps[-1] == 10_000
 
 
 def test_eval_summary_from_traces_while_running(client):

@@ -18,28 +18,42 @@ KINDS = ("rl", "sft", "eval", "trainer", "orchestrator", "inference")
 DATA_FILES = ("metrics.jsonl", "orchestrator_metrics.jsonl", "traces.jsonl")
 
 _cache: dict[Path, tuple[int, int, list[dict[str, Any]]]] = {}
+"""path -> (inode, bytes of complete lines parsed, their records): a growing file is read from where it stopped."""
+
+
+def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete JSON object line of `path`; a half-written or corrupt line is skipped. Cached by mtime/size."""
+    """Every JSON object line of `path`; corrupt lines and a half-written last line are skipped.
+
+    Only bytes appended since the last call are parsed; a replaced or truncated file is read again.
+    """
     try:
         stat = path.stat()
     except FileNotFoundError:
         return []
-    cached = _cache.get(path)
-    if cached and cached[:2] == (stat.st_mtime_ns, stat.st_size):
-        return cached[2]
-    records = []
+    inode, offset, records = _cache.get(path, (stat.st_ino, 0, []))
+    if inode != stat.st_ino or stat.st_size < offset:
+        offset, records = 0, []
     with path.open("rb") as handle:
-        for line in handle:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-    _cache[path] = (stat.st_mtime_ns, stat.st_size, records)
-    return records
+        handle.seek(offset)
+        data = handle.read()
+    complete, newline, tail = data.rpartition(b"\n")
+    if newline:
+        records = records + _parse(complete.split(b"\n"))
+        offset += len(complete) + 1
+    _cache[path] = (stat.st_ino, offset, records)
+    return records + _parse([tail]) if tail.strip() else records
 
 
 def downsample(records: list[Any], max_points: int) -> list[Any]:
