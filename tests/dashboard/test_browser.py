@@ -126,13 +126,14 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         assert polylines(rl_page, "masked") == {"low": (5, 5), "high": (5, 5)}
         assert polylines(rl_page, "staleness") == {"mean lag": (5, 5)}
         assert polylines(rl_page, "online_eval") == {"eval/a/reward": (1, 2)}
+        assert polylines(rl_page, "online_eval_pass") == {"eval/a/pass@1": (1, 2)}
 
         eval_page = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval")
         row = re.search(r'<tr data-source="reverse_text">.*?</tr>', eval_page, re.S)
         assert row, eval_page[-2000:]
         for outcome in ("ok", "truncated", "timeout", "error"):
             assert f'<td data-outcome="{outcome}">{outcomes[outcome]}</td>' in row.group(0), (outcome, row.group(0))
-        timeouts = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval?outcome=timeout")
+        timeouts = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval?source=reverse_text&outcome=timeout")
         assert f'data-total="{outcomes["timeout"]}"' in timeouts
         assert re.findall(r'<tr data-outcome="(\w+)"', timeouts) == ["timeout"] * outcomes["timeout"]
         summary = json.loads((outputs / "tiny-eval" / "summary.json").read_text())["sources"]["reverse_text"]

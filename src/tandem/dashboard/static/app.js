@@ -88,6 +88,7 @@ const CHARTS = [
   { id: "idle", title: "idle time (s)", series: [["trainer", "idle_s", "trainer"], ["orchestrator", "inference_idle_s", "inference"]] },
   { id: "staleness", title: "staleness (mean version lag)", series: [["orchestrator", "staleness_mean", "mean lag"]] },
   { id: "online_eval", title: "online eval reward", series: [], pattern: ["evals", /^eval\/.+\/reward$/] },
+  { id: "online_eval_pass", title: "online eval pass@k", series: [], pattern: ["evals", /^eval\/.+\/pass@\d+$/] },
 ];
 
 function chartSeries(chart, data) {
@@ -149,6 +150,7 @@ async function indexPage() {
 }
 
 const OUTCOMES = ["ok", "truncated", "timeout", "error"];
+const FILTERS = ["source", "outcome", "min_reward", "max_reward"];
 
 // A prompt or completion: a string, or chat messages shown as "role: content" lines.
 function chatText(value) {
@@ -165,6 +167,10 @@ async function evalPage() {
     const data = await getJSON(`${base}/summary`);
     document.getElementById("info").textContent = data.final ? "finished (summary.json)" : "in progress (from traces)";
     const sources = Object.entries(data.sources);
+    const select = document.getElementById("source");
+    for (const [name] of sources) {
+      if (![...select.options].some((o) => o.value === name)) select.appendChild(el("option", { value: name }, name));
+    }
     const ks = [...new Set(sources.flatMap(([, s]) => Object.keys(s.pass_at_k)))].sort((a, b) => a - b);
     const head = ["source", "rollouts", "mean reward", ...ks.map((k) => `pass@${k}`), ...OUTCOMES];
     document.querySelector("#summary thead").replaceChildren(row(head.map((h) => el("th", {}, h))));
@@ -177,7 +183,7 @@ async function evalPage() {
   }
   async function refreshSamples() {
     const query = new URLSearchParams({ offset, limit });
-    for (const id of ["outcome", "min_reward", "max_reward"]) {
+    for (const id of FILTERS) {
       const value = document.getElementById(id).value;
       if (value !== "") query.set(id, value);
     }
@@ -193,13 +199,15 @@ async function evalPage() {
     document.getElementById("samples").dataset.total = String(total);
   }
   const initial = new URLSearchParams(location.search);  // filters can come from the URL: ?outcome=timeout
-  for (const id of ["outcome", "min_reward", "max_reward"]) {
+  for (const id of FILTERS) {
     if (initial.has(id)) document.getElementById(id).value = initial.get(id);
     document.getElementById(id).addEventListener("change", () => { offset = 0; refreshSamples().catch(console.error); });
   }
   document.getElementById("prev").onclick = () => { offset = Math.max(0, offset - limit); refreshSamples(); };
   document.getElementById("next").onclick = () => { if (offset + limit < total) { offset += limit; refreshSamples(); } };
-  await Promise.all([refreshSummary(), refreshSamples()]);
+  await refreshSummary();
+  if (initial.has("source")) document.getElementById("source").value = initial.get("source");
+  await refreshSamples();
   setInterval(() => refreshSummary().catch(console.error), 5000);
 }
 
