@@ -33,7 +33,9 @@ def outputs(tmp_path) -> Path:
     rl = tmp_path / "rl-run"
     rl.mkdir()
     (rl / "rl.toml").write_text("max_steps = 5\n[trainer]\nmax_steps = 5\n")
-    trainer = [{"step": s, "loss": 1.0 / s, "grad_norm": 2.0, "masked_low": 0.01, "masked_high": 0.02} for s in range(1, 6)]
+    trainer = [
+        {"step": s, "loss": 1.0 / s, "grad_norm": 2.0, "masked_low": 0.01, "masked_high": 0.02} for s in range(1, 6)
+    ]
     write_jsonl(rl / "metrics.jsonl", trainer, tail='{"step": 6, "lo')
     orchestrator = [
         {"step": s, "reward": 0.1 * s, "reward/a": 0.2 * s, "staleness": {"0": 3, "1": 1}} for s in range(1, 6)

@@ -17,7 +17,11 @@ def client(outputs):
 
 def test_the_run_list(client):
     runs = client.get("/api/runs").json()["runs"]
-    assert {run["name"]: run["status"] for run in runs} == {"rl-run": "finished", "sft-old": "failed", "evals": "running"}
+    assert {run["name"]: run["status"] for run in runs} == {
+        "rl-run": "finished",
+        "sft-old": "failed",
+        "evals": "running",
+    }
 
 
 def test_metrics_split_trainer_orchestrator_and_online_evals(client):

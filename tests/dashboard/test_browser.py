@@ -59,7 +59,9 @@ def sft_run(outputs: Path, model_dir: Path, data: Path) -> None:
         "--model", str(model_dir), "--model.dtype", "float32", "--data.path", str(data), "--seq-len", "128",
         "--batch-size", "2", "--max-steps", "3", "--output-dir", str(outputs), "--run-name", "tiny-sft",
     ]  # fmt: skip
-    result = subprocess.run([sys.executable, "-m", "tandem", "sft", *flags], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem", "sft", *flags], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -142,7 +144,11 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         first = next(r for r in read_traces(outputs / "tiny-eval" / "traces.jsonl") if r["outcome"] == "ok")
         assert f"assistant: {first['completion'][0]['content'].splitlines()[0]}" in eval_page
 
-        pages = [("dashboard-index.png", "/"), ("dashboard-sft.png", "/run/tiny-sft"), ("dashboard-rl.png", "/run/rl-run")]
+        pages = [
+            ("dashboard-index.png", "/"),
+            ("dashboard-sft.png", "/run/tiny-sft"),
+            ("dashboard-rl.png", "/run/rl-run"),
+        ]
         for name, url in [*pages, ("dashboard-eval.png", "/eval/tiny-eval")]:
             screenshot = tmp_path / name
             chromium(tmp_path, f"--screenshot={screenshot}", "--window-size=1280,1600", f"{base}{url}")

@@ -18,6 +18,10 @@ STATIC = Path(__file__).parent / "static"
 DEFAULT_POINTS = 400
 
 
+class _NotFound(Exception):
+    """A run name that is not a run directly under the outputs directory."""
+
+
 def _staleness_mean(record: dict[str, Any]) -> dict[str, Any]:
     """The record with `staleness_mean`, the mean version lag of its `staleness` {lag: count} histogram."""
     staleness = record.get("staleness")
@@ -99,7 +103,3 @@ def create_app(outputs: Path) -> Starlette:
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     return Starlette(routes=routes, exception_handlers={_NotFound: not_found})
-
-
-class _NotFound(Exception):
-    """A run name that is not a run directly under the outputs directory."""
