@@ -7,8 +7,10 @@ contract works (docs/inference.md), so the built-in engine and vLLM look the sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,13 +56,18 @@ class InferencePool:
                         raise TimeoutError(f"inference server {url} not healthy: {error}") from None
                     await asyncio.sleep(0.5)
 
-    def _track(self, delta: int) -> None:
-        total_before = sum(self.in_flight)
-        now = time.monotonic()
-        if total_before == 0 and delta > 0:
-            self.idle_s += now - self._idle_from
-        if total_before + delta == 0:
-            self._idle_from = now
+    @contextlib.contextmanager
+    def _busy(self, index: int) -> Iterator[None]:
+        """Count a request in flight on server `index`; time with nothing in flight adds to `idle_s`."""
+        if not any(self.in_flight):
+            self.idle_s += time.monotonic() - self._idle_from
+        self.in_flight[index] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[index] -= 1
+            if not any(self.in_flight):
+                self._idle_from = time.monotonic()
 
     async def generate(
         self, prompt_ids: list[int], sampling: RolloutSamplingConfig, n: int, seed: int
@@ -79,13 +86,8 @@ class InferencePool:
                 seed=seed,
             ),
         )
-        self._track(+1)
-        self.in_flight[index] += 1
-        try:
+        with self._busy(index):
             reply = await self.clients[index].request("POST", "/generate", request.model_dump(exclude_none=True))
-        finally:
-            self.in_flight[index] -= 1
-            self._track(-1)
         response = GenerateResponse.model_validate(reply.data, strict=False)
         return [_completion(sample) for sample in response.outputs[0].samples]
 
