@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config.orchestrator import OrchestratorConfig
+from tandem.envs import Task
 from tandem.eval.client import RequestError
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch
@@ -68,14 +69,14 @@ class Orchestrator:
 
     # -- producing groups -------------------------------------------------------------------------
 
-    def _prompt_ids(self, source: Source, task) -> list[int]:
+    def _prompt_ids(self, task: Task) -> list[int]:
         text = self.tokenizer.apply_chat_template(task.messages(), tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def _run_group(self, draw: int) -> Group | None:
         source, task = self.sampler.next()
         sampling = source.config.sampling
-        prompt_ids = self._prompt_ids(source, task)
+        prompt_ids = self._prompt_ids(task)
         timeout = source.taskset.timeout_s
         try:
             completions = await asyncio.wait_for(
