@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tandem.config import ConfigError, to_toml
 from tandem.config.rl import RlConfig
-from tandem.run import atomic_write_text, prepare_run_dir
+from tandem.run import atomic_write_text, log_tail, prepare_run_dir
 from tandem.trainer.ckpt import list_checkpoints
 from tandem.transport.batches import batch_path
 from tandem.transport.policies import policy_dir
@@ -79,10 +79,6 @@ def _stop(children: list[Child], timeout_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(child.process.pid, signal.SIGKILL)
             child.process.wait()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
 def _resume_step(config: RlConfig) -> int:
@@ -187,7 +183,7 @@ def run_rl(config: RlConfig) -> int:
             "%s exited with code %d; stopping the others. Its log:\n%s",
             child.name,
             child.process.returncode,
-            _tail(child.log),
+            log_tail(child.log),
         )
         return 1
     except KeyboardInterrupt:

@@ -48,6 +48,12 @@ def keep_steps_up_to(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last lines of a child process's log, for the error that reports its death."""
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:]) or "(no output)"
+
+
 def setup_logging(level: str, log_file: Path | None = None) -> None:
     """Rich console output on stderr plus, when given, a plain-text log file."""
     root = logging.getLogger()

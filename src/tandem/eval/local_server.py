@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from tandem.config import ModelConfig
+from tandem.run import log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,6 @@ def _inline_table(values: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in values.items()) + "}"
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
-    return "\n".join(text.splitlines()[-lines:]) or "(no output)"
-
-
 def _wait_until_healthy(server_file: Path, process: subprocess.Popen, log_path: Path, timeout_s: float) -> str:
     """The URL the server announces in `server_file`, once its /health answers 200."""
     deadline = time.monotonic() + timeout_s
@@ -50,7 +46,7 @@ def _wait_until_healthy(server_file: Path, process: subprocess.Popen, log_path: 
         if process.poll() is not None:
             raise ServerStartError(
                 f"the built-in inference server exited with code {process.returncode} before it was healthy; "
-                f"last lines of {log_path}:\n{_tail(log_path)}"
+                f"last lines of {log_path}:\n{log_tail(log_path, 20)}"
             )
         if url is None and server_file.exists():
             url = json.loads(server_file.read_text())["url"]
@@ -62,7 +58,7 @@ def _wait_until_healthy(server_file: Path, process: subprocess.Popen, log_path: 
         time.sleep(0.25)
     raise ServerStartError(
         f"the built-in inference server was not healthy within {timeout_s:g}s "
-        f"(startup_timeout_s); last lines of {log_path}:\n{_tail(log_path)}"
+        f"(startup_timeout_s); last lines of {log_path}:\n{log_tail(log_path, 20)}"
     )
 
 
