@@ -54,5 +54,5 @@ def test_dense_block_compiles_with_inductor(model_dir):
             print(f"skipping: this machine's C++ toolchain cannot build inductor kernels ({type(exc).__name__}: {exc})")
             pytest.skip(f"inductor toolchain unavailable: {type(exc).__name__}")
         raise
-    for got, want in zip(compiled, expected, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for got, want in zip(compiled, expected, strict=True):  # fp32, reductions reordered by inductor's kernels
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)

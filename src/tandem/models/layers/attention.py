@@ -112,9 +112,20 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: CacheBatch, layer: int, scale: float
 ) -> torch.Tensor:
-    """Packed new tokens `[T, H, D]`: write their K/V, then attend per sequence to everything cached so far."""
+    """Packed new tokens `[T, H, D]`: write their K/V, then attend per sequence to everything cached so far.
+
+    With one new token per sequence (decode), the query heads sharing a KV head become that head's query
+    rows, so attention runs over `Hkv` heads without repeating K/V (the fused kernels take no GQA with a mask).
+    """
     cache.write(layer, batch, k, v)
     keys, values = cache.read(layer, batch)  # [N, max_kv, Hkv, D]
+    if batch.unpack_index.shape[1] == 1:
+        rows, kv_heads = keys.shape[0], keys.shape[2]
+        queries = q.unflatten(1, (kv_heads, -1))  # [N, Hkv, Hq / Hkv, D]
+        out = F.scaled_dot_product_attention(
+            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask, scale=scale
+        )
+        return out.reshape(rows, -1, q.shape[-1])
     queries = q[batch.unpack_index]  # [N, max_new, Hq, D]
     out = sdpa(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), batch.mask, scale)
     return out.transpose(1, 2).flatten(0, 1)[batch.pack_index]
