@@ -40,8 +40,8 @@ def test_graph_replays_equal_eager_steps(model_dir):
 def test_engine_with_graphs_gives_the_eager_tokens(compile, make_engine):
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20] * 40]
     params = SamplingParams(temperature=0, max_tokens=24)
-    eager = make_engine(device="cuda", cuda_graphs=False)
-    graphed = make_engine(device="cuda", cuda_graphs=True, compile=compile)
+    eager = make_engine(device="cuda", cuda_graphs=False, kv_cache_blocks=256)
+    graphed = make_engine(device="cuda", cuda_graphs=True, compile=compile, kv_cache_blocks=256)
     assert isinstance(graphed.decoder, GraphedDecoder)
     want = eager.generate(prompts, params)
     got = graphed.generate(prompts, params)

@@ -41,10 +41,5 @@ class InferenceConfig(RunConfig):
     """Batch-size buckets decode steps are padded to for CUDA graphs; larger steps run eagerly."""
     compile: bool = False
     """torch.compile the decode step (fewer, fused kernels; adds compile time at start-up)."""
-    decode_steps: int = Field(8, ge=1, le=64)
-    """Decode steps run back to back with sampling on the device before the host reads the tokens: the host
-    schedules once per this many tokens (1: every token). Used while no prompt is being prefilled, every row
-    samples from the whole vocabulary (no top-k/top-p/min-p, no top logprobs) and has this many tokens left;
-    a row that stops part-way drops the rest. New requests and weight swaps wait at most this many steps."""
     max_logprobs: int = Field(20, ge=0)
     """Largest top_logprobs / logprobs a request may ask for."""

@@ -30,13 +30,13 @@ import torch
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.cuda_graphs import GraphedDecoder
-from tandem.inference.decode import EagerDecoder, SamplingKeys, decode_step
+from tandem.inference.decode import EagerDecoder, decode_step
 from tandem.inference.kv_budget import block_bytes, kv_cache_blocks
 from tandem.inference.masks import encode_mask
 from tandem.inference.outputs import RequestUpdate, SampleRecord, SampleUpdate
 from tandem.inference.protocol import FinishReason, SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
-from tandem.inference.scheduler import BlockAllocator, Request, Scheduler, Sequence, StepPlan
+from tandem.inference.scheduler import BlockAllocator, Request, Scheduler, Sequence
 from tandem.inference.weights import copy_weights
 from tandem.models import CausalLM, KVCache
 
@@ -404,11 +404,6 @@ class Engine:
         if not plan:
             return False
         version = self.version
-        steps = self._multi_steps(plan)
-        if steps > 1:
-            self._decode_many(plan.decode, steps, version)
-            self._counts["steps"] += steps
-            return True
         logits: list[torch.Tensor] = []
         ready: list[Sequence] = []
         if plan.prefill:
@@ -462,50 +457,6 @@ class Engine:
         for seq in seqs:
             seq.num_cached += 1
         return logits
-
-    def _multi_steps(self, plan: StepPlan) -> int:
-        """How many decode steps this plan may run on the device in one go (see `decode.decode_many`)."""
-        steps = self.config.decode_steps
-        if steps == 1 or plan.prefill or not plan.decode:
-            return 1
-        for seq in plan.decode:
-            params = seq.request.params
-            left = min(seq.request.max_tokens - len(seq.record.token_ids), self.max_model_len - len(seq.tokens))
-            if params.truncates or params.top_logprobs or left < steps:
-                return 1
-        return steps if self.scheduler.reserve(plan.decode, steps) else 1
-
-    def _decode_many(self, seqs: list[Sequence], steps: int, version: int) -> None:
-        """Decode `steps` tokens for every sequence, then record them in order; a row that stops drops the rest."""
-        temperatures = [seq.request.params.temperature for seq in seqs]
-        keys = SamplingKeys(
-            temperatures,
-            [seq.request.seed for seq in seqs],
-            [seq.sample for seq in seqs],
-            [len(seq.record.token_ids) for seq in seqs],
-        )
-        tokens, logprobs = self.decoder.many(
-            [seq.tokens[-1] for seq in seqs],
-            [seq.num_cached for seq in seqs],
-            [seq.blocks for seq in seqs],
-            keys,
-            steps,
-            sampled=any(t > 0 for t in temperatures),
-        ).tolist()
-        for seq in seqs:
-            seq.num_cached += steps
-        for step in range(steps):
-            rows = [row for row, seq in enumerate(seqs) if seq.record.finish_reason is None]
-            if not rows:
-                break
-            self._record(
-                [seqs[row] for row in rows],
-                [int(tokens[step][row]) for row in rows],
-                [logprobs[step][row] for row in rows],
-                [None] * len(rows),
-                None,
-                version,
-            )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

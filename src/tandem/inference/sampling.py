@@ -67,34 +67,6 @@ def kept_counts(sorted_z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.minimum(torch.minimum(k, by_p), by_min_p).clamp_(min=1)
 
 
-def temper(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """fp32 `logits / T` per row; greedy rows (T = 0) keep T = 1."""
-    return logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
-
-
-def draw_whole_vocab(
-    z: torch.Tensor,
-    temperature: torch.Tensor,
-    seeds: torch.Tensor,
-    samples: torch.Tensor,
-    steps: torch.Tensor,
-    *,
-    sampled: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens, their logprobs and the logsumexp per row of tempered logits `z` `[R, V]`, nothing truncated.
-
-    Rows with T > 0 draw by Gumbel-max (`sampled` says whether any row does, so an all-greedy batch skips the
-    noise); the others take the argmax. Only tensor ops, no host sync: multi-step decode graphs run it too.
-    """
-    pick = z
-    if sampled:
-        noise = gumbel_noise(seeds, samples, steps, torch.arange(z.shape[1], device=z.device))
-        pick = torch.where(temperature[:, None] > 0, z + noise, z)
-    tokens = pick.argmax(dim=-1)
-    lse = z.logsumexp(dim=-1)
-    return tokens, z.gather(1, tokens[:, None])[:, 0] - lse, lse
-
-
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row parameters of one step on the logits' device, plus host-side row groups."""
@@ -125,7 +97,7 @@ class SamplingBatch:
         any_sampled_plain, top_width, widths = False, 0, []
         for row, (p, seed, sample, step) in enumerate(zip(params, seeds, samples, steps, strict=True)):
             floats.append((p.temperature, p.top_p, p.min_p))
-            ints.append((max(p.top_k, 0), signed64(seed), sample, step))
+            ints.append((max(p.top_k, 0), _signed64(seed), sample, step))
             top_width = max(top_width, p.top_logprobs)
             if p.truncates:
                 truncated.append(row)
@@ -151,7 +123,7 @@ class SamplingBatch:
         )
 
 
-def signed64(seed: int) -> int:
+def _signed64(seed: int) -> int:
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
@@ -175,7 +147,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         rows, vocab = logits.shape
-        z = temper(logits, batch.temperature)
+        logits = logits.float()
+        temperature = batch.temperature
+        z = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         out = Sampled([0] * rows, [0.0] * rows, [None] * rows, [[] for _ in range(rows)] if batch.top_width else None)
         if batch.plain:
             self._whole_vocab(z, batch, out)
@@ -187,14 +161,14 @@ class Sampler:
         rows = batch.plain
         index = torch.tensor(rows, device=z.device) if len(rows) < z.shape[0] else None
         z = _take(z, index)
-        tokens, logprobs, lse = draw_whole_vocab(
-            z,
-            _take(batch.temperature, index),
-            _take(batch.seeds, index),
-            _take(batch.samples, index),
-            _take(batch.steps, index),
-            sampled=batch.any_sampled_plain,
-        )
+        pick = z
+        if batch.any_sampled_plain:
+            ids = torch.arange(z.shape[1], device=z.device)
+            noise = gumbel_noise(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index), ids)
+            pick = torch.where(_take(batch.temperature, index)[:, None] > 0, z + noise, z)
+        tokens = pick.argmax(dim=-1)
+        lse = z.logsumexp(dim=-1)
+        logprobs = z.gather(1, tokens[:, None])[:, 0] - lse
         top = z.topk(batch.top_width, dim=-1) if batch.top_width else None
         self._store(out, rows, tokens, logprobs, top, lse, None)
 

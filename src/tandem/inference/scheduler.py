@@ -190,16 +190,6 @@ class Scheduler:
         seq.blocks += self.allocator.allocate(max(needed, 0))
         return True
 
-    def reserve(self, seqs: list[Sequence], tokens: int) -> bool:
-        """Give every sequence blocks for `tokens` more tokens, if the free blocks allow without preempting."""
-        needed = [self._blocks_for(seq.num_cached + tokens) - len(seq.blocks) for seq in seqs]
-        if sum(max(n, 0) for n in needed) > self.allocator.num_free:
-            return False
-        for seq, count in zip(seqs, needed, strict=True):
-            if count > 0:
-                seq.blocks += self.allocator.allocate(count)
-        return True
-
     def preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s cache and queue it first, to be prefilled again from all its tokens."""
         self._drop(seq)
