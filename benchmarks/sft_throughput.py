@@ -221,11 +221,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the measurement")
     parser.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
     parser.add_argument("--out", type=Path, help="write every result here as JSON")
+    parser.add_argument("--runs", nargs="+", default=None, help="only the runs whose names start with one of these")
     args = parser.parse_args()
     warmup = 1 if args.smoke else args.warmup
     start, results = time.monotonic(), []
     with tempfile.TemporaryDirectory() as tmp:
-        for run in plan(args.smoke):
+        runs = [r for r in plan(args.smoke) if args.runs is None or r.name.startswith(tuple(args.runs))]
+        for run in runs:
             left = args.budget_s - (time.monotonic() - start)
             if left < 30:
                 print(f"skipped {run.name}: budget spent", flush=True)

@@ -1,0 +1,107 @@
+"""Where a decode step's time goes: kernels per step, their summed GPU time, and the CUDA-graph replay, against
+the HBM roofline of the same step.
+
+    python benchmarks/decode_profile.py                  # GPU: Qwen3-0.6B and 1.7B shapes, batch 1 and 32
+    python benchmarks/decode_profile.py --models qwen3-0.6b --batches 1
+
+One engine decode step (`decode.decode_step`, 256-token key capacity, random bf16 weights) is profiled eagerly
+with torch.profiler (kernel count and summed kernel time), then captured as a CUDA graph and replayed (wall
+time per replay, synchronised; and the host time of the replay call alone). If the replay takes about the
+summed kernel time, the step is bound by its kernels; the roofline is the weights read once over the copy
+bandwidth measured here. The top kernels of the step come after the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from inference import MODELS, hbm_bandwidth
+from tandem.inference.cuda_graphs import GraphedDecoder
+from tandem.inference.decode import EagerDecoder
+from tandem.models import KVCache, build_model
+
+BLOCK_SIZE, KEY_CAPACITY = 16, 256
+
+
+def profile(name: str, batch: int, bandwidth: float) -> tuple[list[str], Counter]:
+    shape = MODELS[name]
+    model = build_model(shape.hf_config(), dtype=torch.bfloat16, device="cuda", seed=0).eval()
+    args = model.args
+    blocks = KEY_CAPACITY // BLOCK_SIZE
+    cache = KVCache(
+        args.num_layers, batch * blocks + 1, BLOCK_SIZE, args.num_kv_heads, args.head_dim, torch.bfloat16, "cuda"
+    )
+    tables = [[1 + row * blocks + b for b in range(blocks)] for row in range(batch)]
+    tokens, lengths = [1] * batch, [KEY_CAPACITY // 2] * batch
+    eager, graphed = EagerDecoder(model, cache), GraphedDecoder(model, cache, [batch], blocks)
+    with torch.inference_mode():
+        for _ in range(3):
+            eager(tokens, lengths, tables)
+            graphed(tokens, lengths, tables)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            eager(tokens, lengths, tables)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+        top = Counter()
+        for e in kernels:
+            top[e.name] += e.time_range.elapsed_us()
+        iters = 50
+        launch = 0.0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            began = time.perf_counter()
+            graphed(tokens, lengths, tables)
+            launch += time.perf_counter() - began
+        torch.cuda.synchronize()
+        replay_ms = (time.perf_counter() - start) / iters * 1e3
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    roofline_ms = weights / bandwidth * 1e3
+    row = [
+        name,
+        str(batch),
+        str(len(kernels)),
+        f"{len(kernels) / args.num_layers:.0f}",
+        f"{kernel_ms:.3f}",
+        f"{replay_ms:.3f}",
+        f"{launch / iters * 1e3:.3f}",
+        f"{roofline_ms:.3f}",
+        f"{100 * roofline_ms / replay_ms:.0f}%",
+    ]
+    total = sum(top.values())
+    return row, Counter({k: 100 * v / total for k, v in top.items()})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=sorted(MODELS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    args = parser.parse_args()
+    bandwidth = hbm_bandwidth(torch.device("cuda"), 4.0)
+    header = ["model", "batch", "kernels", "per layer", "kernel ms", "replay ms", "launch ms", "roofline ms", "% roof"]
+    rows, tops = [header], []
+    for name in args.models:
+        for batch in args.batches:
+            row, top = profile(name, batch, bandwidth)
+            rows.append(row)
+            tops.append((f"{name} batch {batch}", top))
+            torch.cuda.empty_cache()
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    print("\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows))
+    for label, top in tops:
+        print(f"\ntop kernels of one eager decode step, {label} (share of summed kernel time):")
+        for kernel, share in top.most_common(8):
+            print(f"  {share:5.1f}%  {kernel[:100]}")
+
+
+if __name__ == "__main__":
+    main()
