@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -13,6 +13,12 @@ from tandem.config.common import RunConfig
 class InferenceConfig(RunConfig):
     command: ClassVar[str] = "inference"
 
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """builtin: tandem's engine (the trainer's model code); vllm: vLLM with tandem's routes (pip install -e ".[vllm]")."""
+    exact_replay: bool = True
+    """Refuse top-k/top-p/min-p rollouts the engine returns no masks for (vllm); false: trainer uses the whole vocab."""
+    vllm_args: list[str] = Field(default_factory=list)
+    """Extra `vllm serve` arguments for engine vllm, e.g. ["--tensor-parallel-size", "4"]."""
     host: str = "127.0.0.1"
     """Address to bind; anything but loopback requires `admin_token` for admin endpoints."""
     port: int = Field(8000, ge=0, le=65535)

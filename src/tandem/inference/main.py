@@ -2,7 +2,8 @@
 
 Once the server accepts connections it prints `tandem inference listening on http://HOST:PORT` and writes
 `<run_dir>/server.json` (`{"url", "pid", "model"}`, atomically), so a parent that passed `--port 0` finds
-the port.
+the port. With `engine = "vllm"` the same checks run and the same file is written, but vLLM serves
+(`tandem.inference.vllm`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
 GRACEFUL_SHUTDOWN_S = 5
 
 
-class _Terminated(Exception):
+class Terminated(Exception):
     """SIGTERM arrived: stop serving and exit cleanly."""
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    raise _Terminated
+    raise Terminated
 
 
 def is_loopback(host: str) -> bool:
@@ -96,22 +97,36 @@ def _tokenizer(model_dir: Path) -> Any:
         raise ConfigError(f"cannot load the tokenizer of {model_dir}: {error}") from None
 
 
-def run(config: InferenceConfig) -> int:
-    model_dir = _model_dir(config)
+def _admin_token(config: InferenceConfig) -> str | None:
     admin_token = config.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     if not is_loopback(config.host) and admin_token is None:
         raise ConfigError(
             f"binding {config.host} exposes the admin routes beyond this machine: set --admin-token "
             f"(or ${ADMIN_TOKEN_ENV}), or bind 127.0.0.1"
         )
+    return admin_token
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM raises `Terminated` in the main thread (a no-op on other threads)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def run(config: InferenceConfig) -> int:
+    model_dir = _model_dir(config)
+    admin_token = _admin_token(config)
+    if config.engine == "vllm":
+        from tandem.inference.vllm.launch import serve
+
+        return serve(config, model_dir, admin_token)
     device = _device(config.device)
     max_positions = model_args(model_dir).max_position_embeddings
     if config.seq_len > max_positions:
         raise ConfigError(
             f"seq_len {config.seq_len} is longer than the model's max_position_embeddings {max_positions}"
         )
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+    stop_on_sigterm()
     run_dir = prepare_run_dir(config)
     engine = None
     try:
@@ -136,7 +151,7 @@ def run(config: InferenceConfig) -> int:
             engine, tokenizer, name, admin_token=admin_token, weights_dir=config.weights_dir or config.output_dir
         )
         asyncio.run(_serve(server.app(), config, run_dir, name))
-    except _Terminated:
+    except Terminated:
         logger.info("stopping on SIGTERM")
     finally:
         if engine is not None:
@@ -171,8 +186,14 @@ async def _serve(app: Any, config: InferenceConfig, run_dir: Path, name: str) ->
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
     if server.started:
-        host, port = sock.getsockname()[:2]
-        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        atomic_write_text(run_dir / "server.json", json.dumps({"url": url, "pid": os.getpid(), "model": name}) + "\n")
-        print(f"tandem inference listening on {url}", flush=True)
+        announce(run_dir, sock, name)
     await serving
+
+
+def announce(run_dir: Path, sock: socket.socket, name: str) -> str:
+    """Once the server accepts connections on `sock`: write `<run_dir>/server.json`, print the listening line."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    atomic_write_text(run_dir / "server.json", json.dumps({"url": url, "pid": os.getpid(), "model": name}) + "\n")
+    print(f"tandem inference listening on {url}", flush=True)
+    return url

@@ -1,0 +1,382 @@
+"""tandem's routes on a vLLM server: an ASGI middleware in front of vLLM's FastAPI app (vLLM's `--middleware`).
+
+It answers `POST /generate`, `/update_weights`, `/pause`, `/resume` and `GET /health` with the request and
+response bodies of the built-in server (`tandem.inference.protocol`) and its errors, admin token rule and
+weights-directory restriction, so the orchestrator cannot tell the engines apart; every other request goes on to
+vLLM. The engine is vLLM's `EngineClient` (`app.state.engine_client`):
+
+- `/generate` runs one vLLM request per prompt (`n` samples each), with logprobs of the sampled tokens as vLLM
+  computes them after temperature and truncation (`--logprobs-mode processed_logprobs`) and per-token policy
+  versions from vLLM's weight-version spans. vLLM returns no sampling masks, so `masks` is always null, and a
+  request that truncates sampling (top-k, top-p, min-p) is refused unless the server was started with
+  `exact_replay = false`.
+- `/pause` freezes vLLM's scheduler with requests kept (`pause_generation(mode="keep")`), `/resume` restarts it.
+- `/update_weights` checks the checkpoint like the built-in server (same architecture and tensor shapes as the
+  served model, inside `weights_dir`), then, with generation held, has every worker load it in place
+  (worker.py), drops the KV cache computed with the old weights (requests in flight are recomputed from their
+  tokens) and labels what follows with the new version.
+
+vLLM constructs middleware without arguments, so the settings come from `$TANDEM_VLLM_ROUTES` (JSON, written by
+launch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.inference.main import announce
+from tandem.inference.protocol import (
+    EngineStatus,
+    GenerateRequest,
+    GenerateResponse,
+    PromptOutput,
+    SampleOutput,
+    SamplingParams,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
+from tandem.inference.server import CLIENT_GONE, HTTPError, _client_gone, _error_body, _json, _parse
+from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, resolve_weights_path
+
+logger = logging.getLogger(__name__)
+
+SETTINGS_ENV = "TANDEM_VLLM_ROUTES"
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteSettings:
+    model_dir: str
+    model_name: str
+    weights_dir: str
+    admin_token: str | None
+    exact_replay: bool
+    run_dir: str
+    """Where `server.json` is written once the server listens."""
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> RouteSettings:
+        if SETTINGS_ENV not in os.environ:
+            raise RuntimeError(f"${SETTINGS_ENV} is not set: start this server with `tandem inference --engine vllm`")
+        return cls(**json.loads(os.environ[SETTINGS_ENV]))
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over a checkpoint directory's safetensors (headers only)."""
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+Handler = Callable[[Request, Any], Awaitable[Response]]
+
+
+class TandemRoutes:
+    """The middleware: tandem's routes, then vLLM's app for everything else."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.settings = RouteSettings.from_env()
+        self.routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/generate"): self.generate,
+            ("GET", "/health"): self.health,
+            ("POST", "/update_weights"): self._admin(self.update_weights),
+            ("POST", "/pause"): self._admin(self.pause),
+            ("POST", "/resume"): self._admin(self.resume),
+        }
+        self.error: str | None = None  # set when a weight update failed part-way
+        self._weights_lock: asyncio.Lock | None = None
+        self._served: tuple[Any, dict[str, tuple[int, ...]]] | None = None
+        self._announcing: asyncio.Task | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._on_startup(scope, send))
+            return
+        handler = self.routes.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await handler(request, scope["app"].state.engine_client)
+        except HTTPError as error:
+            body = _error_body(error.status, error.message, error.kind, error.param)
+            response = JSONResponse(body, status_code=error.status)
+        except Exception as error:
+            logger.exception("%s %s failed", request.method, request.url.path)
+            body = _error_body(500, f"{type(error).__name__}: {error}", "server_error")
+            response = JSONResponse(body, status_code=500)
+        await response(scope, receive, send)
+
+    # --- start-up: version 0, then server.json once the server listens ---
+
+    def _on_startup(self, scope: Scope, send: Send) -> Send:
+        async def forward(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                app = scope["app"]
+                engine = app.state.engine_client
+                if _version_number(await engine.get_weight_version()) is None:
+                    await engine.update_weight_version("0")  # vLLM starts as "default"; tandem's first policy is 0
+                self._announcing = asyncio.ensure_future(self._announce(app))
+            await send(message)
+
+        return forward
+
+    async def _announce(self, app: Any) -> None:
+        while not getattr(getattr(app.state, "server", None), "started", False):
+            await asyncio.sleep(0.05)
+        announce(Path(self.settings.run_dir), app.state.server.servers[0].sockets[0], self.settings.model_name)
+
+    # --- shared checks ---
+
+    def _admin(self, handler: Handler) -> Handler:
+        async def checked(request: Request, engine: Any) -> Response:
+            token = self.settings.admin_token
+            given = request.headers.get("authorization", "")
+            if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                raise HTTPError(401, "admin routes need `Authorization: Bearer <admin token>`", "authentication_error")
+            return await handler(request, engine)
+
+        return checked
+
+    async def _version(self, engine: Any) -> int:
+        return _version_number(await engine.get_weight_version()) or 0
+
+    async def _status(self, engine: Any) -> EngineStatus:
+        error = self.error
+        if error is None:
+            try:
+                await engine.check_health()
+            except Exception as failure:
+                error = f"the vLLM engine is not running: {type(failure).__name__}: {failure}"
+        if error is not None:
+            return EngineStatus(status="error", paused=False, policy_version=0, error=error)
+        return EngineStatus(status="ok", paused=await engine.is_paused(), policy_version=await self._version(engine))
+
+    # --- routes ---
+
+    async def health(self, request: Request, engine: Any) -> Response:
+        status = await self._status(engine)
+        return _json(status, 200 if status.status == "ok" else 503)
+
+    async def pause(self, request: Request, engine: Any) -> Response:
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        return _json(await self._status(engine))
+
+    async def resume(self, request: Request, engine: Any) -> Response:
+        await engine.resume_generation()
+        return _json(await self._status(engine))
+
+    async def generate(self, request: Request, engine: Any) -> Response:
+        body = await _parse(request, GenerateRequest)
+        if body.model is not None and body.model != self.settings.model_name:
+            raise HTTPError(
+                404,
+                f"model `{body.model}` is not served here; this server serves `{self.settings.model_name}`",
+                "not_found_error",
+                "model",
+            )
+        if self.error is not None:
+            raise HTTPError(503, f"not generating with partly loaded weights: {self.error}", "server_error")
+        params = body.sampling
+        if params.truncates and self.settings.exact_replay:
+            raise HTTPError(
+                400,
+                "vLLM returns no sampling masks, so the trainer cannot replay top-k/top-p/min-p sampling exactly: "
+                "sample with top_k 0, top_p 1 and min_p 0, or start the server with `exact_replay = false` "
+                "(the trainer then renormalises over the whole vocabulary)",
+                param="sampling",
+            )
+        max_model_len = engine.model_config.max_model_len
+        for prompt in body.prompts:
+            _check_room(prompt, params, max_model_len)
+        vllm_params = _vllm_sampling(params, body.n)
+        tasks = [asyncio.ensure_future(self._prompt(engine, prompt, vllm_params, params)) for prompt in body.prompts]
+        everything, gone = asyncio.gather(*tasks), asyncio.ensure_future(_client_gone(request))
+        try:
+            done, _ = await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # cancelling a vLLM request's generator aborts it
+            gone.cancel()
+            for task in tasks:
+                task.cancel()
+        if everything not in done:
+            everything.cancel()
+            return Response(status_code=CLIENT_GONE)
+        response = GenerateResponse(
+            id=f"gen-{uuid.uuid4().hex}",
+            model=self.settings.model_name,
+            policy_version=await self._version(engine),
+            outputs=everything.result(),
+        )
+        return _json(response)
+
+    async def _prompt(self, engine: Any, prompt: list[int], vllm_params: Any, params: SamplingParams) -> PromptOutput:
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.inputs import tokens_input
+
+        final = None
+        try:
+            async for output in engine.generate(tokens_input(prompt), vllm_params, f"gen-{uuid.uuid4().hex}"):
+                final = output
+        except (VLLMClientError, ValueError) as error:
+            raise HTTPError(400, str(error)) from None
+        except GracefulHTTPError as error:
+            raise HTTPError(getattr(error, "status_code", 503), str(error), "server_error") from None
+        assert final is not None
+        samples = [_sample(c, params) for c in sorted(final.outputs, key=lambda c: c.index)]
+        return PromptOutput(prompt_token_count=len(prompt), samples=samples)
+
+    async def update_weights(self, request: Request, engine: Any) -> Response:
+        body = await _parse(request, UpdateWeightsRequest)
+        try:
+            path = resolve_weights_path(body.path, Path(self.settings.weights_dir))
+            self._check_same_model(path)
+        except WeightsError as error:
+            status = 403 if isinstance(error, ForbiddenWeightsPath) else 400
+            raise HTTPError(status, str(error), param="path") from None
+        self._weights_lock = self._weights_lock or asyncio.Lock()
+        async with self._weights_lock:
+            hold = not await engine.is_paused()  # the orchestrator pauses first; a lone call pauses here
+            started = time.monotonic()
+            if hold:
+                await engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                load_s = max(await engine.collective_rpc("tandem_load_weights", args=(str(path),)))
+            except Exception as error:
+                self.error = f"loading {path} failed part-way: {type(error).__name__}: {error}"
+                raise
+            self.error = None
+            # The cached keys and values were computed with the old weights: requests in flight are recomputed.
+            await engine.reset_prefix_cache(reset_running_requests=True)
+            await engine.update_weight_version(str(body.version))
+            if hold:
+                await engine.resume_generation()
+            pause_s = time.monotonic() - started
+        logger.info(
+            "loaded %s as policy version %d (%.2f s, generation held %.2f s)", path, body.version, load_s, pause_s
+        )
+        return _json(UpdateWeightsResponse(policy_version=body.version, load_s=load_s, pause_s=pause_s))
+
+    def _check_same_model(self, path: Path) -> None:
+        """WeightsError unless `path` holds the served architecture with the served tensor names and shapes."""
+        from tandem.models import RUNTIME_OPTIONS, CheckpointError, model_args
+        from tandem.models import ConfigError as ModelConfigError
+
+        try:
+            if self._served is None:
+                served_dir = Path(self.settings.model_dir)
+                self._served = (model_args(served_dir), checkpoint_shapes(served_dir))
+            served_args, served_shapes = self._served
+            runtime = {name: getattr(served_args, name) for name in ("dtype", *RUNTIME_OPTIONS)}
+            args, shapes = model_args(path).replace(**runtime), checkpoint_shapes(path)
+        except (CheckpointError, ModelConfigError, OSError) as error:
+            raise WeightsError(f"cannot load {path}: {error}") from error
+        differ = [
+            f.name
+            for f in dataclasses.fields(args)
+            if f.compare and getattr(args, f.name) != getattr(served_args, f.name)
+        ]
+        if differ:
+            raise WeightsError(f"{path} holds a different model than the one being served (differs in {differ})")
+        if shapes != served_shapes:
+            wrong = sorted(set(shapes) ^ set(served_shapes)) or sorted(
+                n for n in shapes if shapes[n] != served_shapes[n]
+            )
+            raise WeightsError(f"{path}: its tensors differ from the served model's in {wrong[:5]}")
+
+
+def _version_number(label: str | None) -> int | None:
+    return int(label) if label is not None and label.isdigit() else None
+
+
+def _check_room(prompt: list[int], params: SamplingParams, max_model_len: int) -> None:
+    """The built-in engine's context checks, with its messages."""
+    if len(prompt) >= max_model_len:
+        raise HTTPError(
+            400,
+            f"the prompt has {len(prompt)} tokens; the context is {max_model_len} (seq_len), "
+            "which leaves no room for a completion",
+        )
+    room = max_model_len - len(prompt)
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise HTTPError(
+            400,
+            f"max_tokens={params.max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context "
+            f"is {max_model_len} (seq_len), so at most {room} tokens can be generated",
+        )
+
+
+def _vllm_sampling(params: SamplingParams, n: int) -> Any:
+    """vLLM's SamplingParams for tandem's: greedy ignores truncation, as in the built-in sampler."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    greedy = params.greedy
+    return VllmSamplingParams(
+        n=n,
+        temperature=params.temperature,
+        top_p=1.0 if greedy else params.top_p,
+        top_k=0 if greedy else max(params.top_k, 0),
+        min_p=0.0 if greedy else params.min_p,
+        max_tokens=params.max_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        seed=params.seed,
+        logprobs=params.top_logprobs,
+        detokenize=bool(params.stop),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _sample(completion: Any, params: SamplingParams) -> SampleOutput:
+    """One vLLM CompletionOutput as the built-in server's sample."""
+    token_ids = list(completion.token_ids)
+    steps = completion.logprobs or []
+    logprobs = [float(step[token].logprob) for step, token in zip(steps, token_ids, strict=True)]
+    top = None
+    if params.top_logprobs:
+        top = [
+            [(token, float(lp.logprob)) for token, lp in sorted(step.items(), key=lambda item: item[1].rank)][
+                : params.top_logprobs
+            ]
+            for step in steps
+        ]
+    versions: list[int] = []
+    for span in completion.weight_versions or []:
+        versions += [_version_number(span.version) or 0] * (span.end - span.start)
+    stop_reason = completion.stop_reason
+    if stop_reason not in (*params.stop, *params.stop_token_ids):
+        stop_reason = None  # vLLM names the model's extra EOS ids here; the built-in server reports EOS as null
+    finish = completion.finish_reason if completion.finish_reason in FINISH_REASONS else "abort"
+    return SampleOutput(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        masks=None,
+        versions=versions,
+        finish_reason=finish,
+        stop_reason=stop_reason,
+        top_logprobs=top,
+    )
