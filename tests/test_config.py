@@ -227,3 +227,12 @@ def test_setting_one_key_keeps_a_sections_declared_defaults():
     rl, _ = load_config(RlConfig, ["--trainer.optim.weight-decay", "0.1", "--max-steps", "7"])
     assert rl.trainer.optim.lr == 1e-6 and rl.inference.port == 0
     assert rl.trainer.max_steps == rl.orchestrator.max_steps == 7
+
+
+def test_one_flag_value_for_a_list_or_scalar_field_is_the_scalar():
+    one, _ = load_config(SftConfig, ["--model.moe-backend", "loop"])
+    assert one.model.moe_backend == "loop"
+    two, _ = load_config(SftConfig, ["--model.moe-backend", "loop", "grouped_mm"])
+    assert two.model.moe_backend == ["loop", "grouped_mm"]
+    listed, _ = load_config(SftConfig, ["--speed.sdpa-backends", "cudnn"])
+    assert listed.speed.sdpa_backends == ("cudnn",)

@@ -146,7 +146,7 @@ def _flag_value(kind: FieldKind, flag: str, values: list[str]) -> Any:
     if kind.is_list:
         if len(values) == 1 and values[0].lstrip().startswith("["):
             return _toml_literal(flag, values[0])
-        return values
+        return values[0] if kind.or_scalar and len(values) == 1 else values
     if len(values) > 1:
         raise ConfigError(f"flag {flag} takes one value, got {len(values)}: {' '.join(values)}")
     if (kind.is_mapping or kind.model is not None) and values[0].lstrip().startswith("{"):

@@ -40,6 +40,7 @@ class FieldKind:
     model: type[BaseModel] | None = None  # a nested section
     list_of_model: type[BaseModel] | None = None  # an array of tables, e.g. [[source]]
     is_list: bool = False
+    or_scalar: bool = False  # a list, or one plain value (`str | list[str]`): one flag value is that value
     is_bool: bool = False
     is_mapping: bool = False  # a free-form table; keys below it are not checked
 
@@ -54,7 +55,8 @@ def field_kind(annotation: Any) -> FieldKind:
             items = typing.get_args(arg)
             item = items[0] if items else Any
             inner = next((a for a in _args(item) if _is_model(a)), None)
-            return FieldKind(annotation, list_of_model=inner, is_list=True)
+            scalar = any((typing.get_origin(a) or a) not in (list, tuple, set, frozenset) for a in _args(annotation))
+            return FieldKind(annotation, list_of_model=inner, is_list=True, or_scalar=scalar)
         if origin is dict or origin is typing.Mapping:
             return FieldKind(annotation, is_mapping=True)
     is_bool = any(arg is bool for arg in _args(annotation))
