@@ -175,10 +175,12 @@ def plan(smoke: bool) -> list[Run]:
         ("dense", "-fused-loss", ["--speed.no-fused-loss"]),
         ("dense", "-fused-adamw", ["--speed.no-fused-optimizer"]),
         ("dense", "-cudnn-first", ["--speed.sdpa-backends", "[]"]),
-        ("dense", "+triton-rope", ["--speed.rope-kernel", "triton"]),
+        ("dense", "-with-fsdp", ["--speed.fsdp-single-process"]),
+        ("dense", "-triton-rope", ["--speed.rope-kernel", "triton"]),
         ("dense", "-compile", ["--no-compile"]),
+        ("moe", "-with-fsdp", ["--speed.fsdp-single-process"]),
         ("moe", "-fused-loss", ["--speed.no-fused-loss"]),
-        ("moe", "loop-experts", ["--model.moe-backend", "loop", "--no-fullgraph"]),
+        ("moe", "-loop-experts", ["--model.moe-backend", "loop", "--no-fullgraph"]),
     ]
     for kind, name, flags in ablations:
         shape = dense if kind == "dense" else moe

@@ -48,6 +48,9 @@ class SftSpeedConfig(Section):
     """Flag host-device syncs inside steps after the first (torch.cuda.set_sync_debug_mode; GPU only)."""
     save_final: bool = True
     """Write the final training checkpoint and Hugging Face export (benchmarks turn this off)."""
+    fsdp_single_process: bool = True
+    """On one process, wrap the model in FSDP2 as on several. Off: a plain module whose forward runs under
+    torch.autocast(model.dtype), without FSDP's per-step parameter and gradient copies (torchtitan's 1-GPU set-up)."""
 
 
 class SftConfig(TrainingRunConfig):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +61,26 @@ def active_params(model: torch.nn.Module, args: ModelArgs) -> int:
     return total
 
 
-def build_training_model(config, world: World, **runtime_extra) -> tuple[torch.nn.Module, ModelInfo]:
+def autocast_forward(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Run `model`'s forward under torch.autocast(`dtype`): fp32 weights, matmuls in `dtype`, no FSDP needed."""
+    if dtype == torch.float32:
+        return
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def autocast(*args, **kwargs):
+        with torch.autocast(device.type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = autocast
+
+
+def build_training_model(
+    config, world: World, *, shard: bool = True, **runtime_extra
+) -> tuple[torch.nn.Module, ModelInfo]:
     """fp32 master weights on the device, blocks wrapped for AC and compile, then fully_shard.
 
+    `shard=False` (one process only) skips FSDP2 and runs the forward under autocast instead.
     `runtime_extra`: more model runtime options (`tandem.models.RUNTIME_OPTIONS`) from the command's config.
     """
     if not config.model.name:
@@ -93,7 +111,10 @@ def build_training_model(config, world: World, **runtime_extra) -> tuple[torch.n
             block.compile(fullgraph=config.fullgraph)
         if wrap:
             model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
-    shard_model(model, config.model.dtype)
+    if shard or world.world_size > 1:
+        shard_model(model, config.model.dtype)
+    else:
+        autocast_forward(model, DTYPES[config.model.dtype], world.device)
     if world.is_main:
         logger.info(
             "model: %s, %.1fM parameters, compute in %s, activation checkpointing %s, compile %s",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.sft import SftConfig, SftSpeedConfig
@@ -124,7 +125,7 @@ def train(config: SftConfig) -> int:
     torch.manual_seed(config.seed)
     micro_steps = _check_split(config, world)
     speed = config.speed
-    model, info = build_training_model(config, world, **_model_runtime(speed))
+    model, info = build_training_model(config, world, shard=speed.fsdp_single_process, **_model_runtime(speed))
     steps = build_steps(config, info.vocab_size)
     optimizer, scheduler = build_optimizer(model, config, fused=speed.fused_optimizer)
     ckpt_root = config.run_dir / "checkpoints"
@@ -140,7 +141,8 @@ def train(config: SftConfig) -> int:
                 loss_sum = torch.zeros((), device=world.device)
                 for micro in range(micro_steps):
                     rows = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-                    model.set_requires_gradient_sync(micro == micro_steps - 1)
+                    if isinstance(model, FSDPModule):  # not with speed.fsdp_single_process off
+                        model.set_requires_gradient_sync(micro == micro_steps - 1)
                     nll = _micro_batch_nll(model, rows, config, world.device)
                     # FSDP averages gradients over ranks; scaling by world size makes the result the sum
                     # over every rank's tokens divided by the global token count, however the batch is split.
