@@ -54,12 +54,22 @@ def experts_loop(
 
     Token selection has data-dependent shapes, so this backend does not compile with `fullgraph=True`.
     """
+    x, weights, gate_up, down = _in_autocast_dtype(x, weights, gate_up, down)
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
         token, slot = torch.where(experts == e)
         y = _expert_mlp(x[token], gate_up[e], down[e])
         out.index_add_(0, token, y * weights[token, slot, None])
     return out
+
+
+def _in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype when it is on: it casts neither `torch._grouped_mm` nor `index_add_`."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _grouped_mm_unsupported(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -101,6 +111,7 @@ def experts_grouped_mm(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """Sort (token, expert) pairs by expert, run two grouped GEMMs, scatter back. Shapes are static."""
+    x, weights, gate_up, down = _in_autocast_dtype(x, weights, gate_up, down)
     num_experts, k = gate_up.shape[0], experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
