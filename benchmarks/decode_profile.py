@@ -5,10 +5,10 @@ the HBM roofline of the same step.
     python benchmarks/decode_profile.py --models qwen3-0.6b --batches 1
 
 One engine decode step (`decode.decode_step`, 256-token key capacity, random bf16 weights) is profiled eagerly
-with torch.profiler (kernel count and summed kernel time), then captured as a CUDA graph and replayed (wall
-time per replay, synchronised; and the host time of the replay call alone). If the replay takes about the
-summed kernel time, the step is bound by its kernels; the roofline is the weights read once over the copy
-bandwidth measured here. The top kernels of the step come after the table.
+with torch.profiler (kernel count and the sum of the kernels' own durations: the GPU work, without launch gaps),
+then captured as a CUDA graph and replayed (wall time per replay). If the replay takes about the summed kernel
+time, the step is bound by its kernels; the roofline is the weights read once over the copy bandwidth measured
+here. The top kernels of the step come after the table.
 """
 
 from __future__ import annotations
@@ -55,13 +55,10 @@ def profile(name: str, batch: int, bandwidth: float) -> tuple[list[str], Counter
         for e in kernels:
             top[e.name] += e.time_range.elapsed_us()
         iters = 50
-        launch = 0.0
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(iters):
-            began = time.perf_counter()
             graphed(tokens, lengths, tables)
-            launch += time.perf_counter() - began
         torch.cuda.synchronize()
         replay_ms = (time.perf_counter() - start) / iters * 1e3
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -73,7 +70,6 @@ def profile(name: str, batch: int, bandwidth: float) -> tuple[list[str], Counter
         f"{len(kernels) / args.num_layers:.0f}",
         f"{kernel_ms:.3f}",
         f"{replay_ms:.3f}",
-        f"{launch / iters * 1e3:.3f}",
         f"{roofline_ms:.3f}",
         f"{100 * roofline_ms / replay_ms:.0f}%",
     ]
@@ -87,7 +83,7 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     args = parser.parse_args()
     bandwidth = hbm_bandwidth(torch.device("cuda"), 4.0)
-    header = ["model", "batch", "kernels", "per layer", "kernel ms", "replay ms", "launch ms", "roofline ms", "% roof"]
+    header = ["model", "batch", "kernels", "per layer", "kernel ms", "replay ms", "roofline ms", "% roof"]
     rows, tops = [header], []
     for name in args.models:
         for batch in args.batches:
