@@ -1,8 +1,8 @@
 """`tandem rl`: start inference, trainer and orchestrator as child processes of one command.
 
-Each child gets its own resolved config file in the run directory (`inference.toml`,
-`trainer.toml`, `orchestrator.toml`), its devices through CUDA_VISIBLE_DEVICES, and a log under
-`logs/`. If any child fails, the others are stopped and the failing child's log tail is printed;
+Each child gets its own resolved config file in the run directory (`inference.toml`, or
+`inference-<k>.toml` for each of several servers, `trainer.toml`, `orchestrator.toml`), its devices
+through CUDA_VISIBLE_DEVICES (`child_envs`), and a log under `logs/`. If any child fails, the others are stopped and the failing child's log tail is printed;
 Ctrl-C stops everything. `--resume` restarts from the trainer's newest checkpoint: batches and
 policies written after it are removed, so no step is lost or counted twice.
 """
@@ -21,11 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config import ConfigError, to_toml
-from tandem.config.rl import RlConfig
+from tandem.config import ConfigError, RunConfig, to_toml
+from tandem.config.inference import InferenceConfig
+from tandem.config.rl import RlConfig, RlDeployConfig
 from tandem.run import atomic_write_text, log_tail, prepare_run_dir
 from tandem.trainer.ckpt import list_checkpoints
 from tandem.transport.batches import batch_path
+from tandem.transport.broadcast import announce_path
 from tandem.transport.policies import policy_dir
 from tandem.view import RlProgress
 
@@ -39,11 +41,34 @@ class Child:
     log: Path
 
 
-def _devices(gpus: list[int]) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for a child; on CPU, one thread each so three processes do not oversubscribe."""
-    if gpus:
-        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
-    return {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+def server_names(deploy: RlDeployConfig) -> list[str]:
+    """The inference children: `inference`, or `inference-0` ... `inference-<K-1>` for K servers."""
+    if deploy.inference_servers == 1:
+        return ["inference"]
+    return [f"inference-{k}" for k in range(deploy.inference_servers)]
+
+
+def child_envs(deploy: RlDeployConfig, environ: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """The environment each child adds to ours: which GPUs it sees (CUDA_VISIBLE_DEVICES), and on CPU one thread
+    each, so that the processes do not oversubscribe the cores.
+
+    The trainer sees `trainer_gpus` and server k the k-th equal slice of `inference_gpus`. A side left empty sees
+    no GPU when the other side has some (it runs on CPU), and every GPU when neither has any (both share them).
+    The orchestrator never sees a GPU."""
+    environ = os.environ if environ is None else environ
+    split = bool(deploy.trainer_gpus or deploy.inference_gpus)
+
+    def visible(gpus: list[int]) -> dict[str, str]:
+        if gpus:
+            return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        devices = {"CUDA_VISIBLE_DEVICES": ""} if split else {}
+        return devices if devices or "OMP_NUM_THREADS" in environ else {"OMP_NUM_THREADS": "1"}
+
+    per_server = len(deploy.inference_gpus) // deploy.inference_servers
+    envs = {"trainer": visible(deploy.trainer_gpus), "orchestrator": {"CUDA_VISIBLE_DEVICES": ""}}
+    for k, name in enumerate(server_names(deploy)):
+        envs[name] = visible(deploy.inference_gpus[k * per_server : (k + 1) * per_server])
+    return envs
 
 
 def _start(name: str, command: list[str], run_dir: Path, env: dict[str, str]) -> Child:
@@ -96,12 +121,13 @@ def _resume_step(config: RlConfig) -> int:
 
 
 def _configure(config: RlConfig, resume_step: int) -> RlConfig:
-    """Wire the sections together: the trainer's world size and the resume points."""
-    updates = {
-        "orchestrator": config.orchestrator.model_copy(
-            update={"trainer_ranks": config.deploy.trainer_nproc, "resume_step": resume_step}
-        ),
+    """Wire the sections together: the trainer's world size and weight transport, and the resume points."""
+    orchestrator = {
+        "trainer_ranks": config.deploy.trainer_nproc,
+        "resume_step": resume_step,
+        "weight_transport": config.trainer.weights.transport,
     }
+    updates = {"orchestrator": config.orchestrator.model_copy(update=orchestrator)}
     if resume_step:
         updates["trainer"] = config.trainer.model_copy(
             update={"resume": config.trainer.resume.model_copy(update={"enabled": True, "step": resume_step})}
@@ -109,20 +135,35 @@ def _configure(config: RlConfig, resume_step: int) -> RlConfig:
     return config.model_copy(update=updates)
 
 
-def _with_server(config: RlConfig, url: str) -> RlConfig:
-    pool = config.orchestrator.inference.model_copy(update={"base_urls": [url]})
+def _with_servers(config: RlConfig, urls: list[str]) -> RlConfig:
+    pool = config.orchestrator.inference.model_copy(update={"base_urls": urls})
     return config.model_copy(update={"orchestrator": config.orchestrator.model_copy(update={"inference": pool})})
 
 
-def _command(name: str, config: RlConfig) -> list[str]:
+def server_configs(config: RlConfig) -> dict[str, InferenceConfig]:
+    """Each inference server's config. With several, server k keeps its run files (`inference.toml`, logs,
+    `server.json`) in `<run>/servers/inference-<k>/`; every one may load policies from the output directory."""
+    names = server_names(config.deploy)
+    if len(names) == 1:
+        return {names[0]: config.inference}
+    weights_dir = config.inference.weights_dir or config.output_dir
+    return {
+        name: config.inference.model_copy(
+            update={"output_dir": config.run_dir / "servers", "run_name": name, "weights_dir": weights_dir}
+        )
+        for name in names
+    }
+
+
+def _command(name: str, section: RunConfig, config: RlConfig) -> list[str]:
     """Write the process's resolved config next to the others and return the command that runs it."""
     file = config.run_dir / f"{name}.toml"
-    atomic_write_text(file, to_toml(getattr(config, name)))
+    atomic_write_text(file, to_toml(section))
     python = [sys.executable, "-m"]
     if name == "trainer" and config.deploy.trainer_nproc > 1:
         launcher = [*python, "torch.distributed.run", "--standalone", f"--nproc-per-node={config.deploy.trainer_nproc}"]
         return [*launcher, "-m", "tandem.trainer.rl", "@", str(file)]
-    return [*python, "tandem", name, "@", str(file)]
+    return [*python, "tandem", section.command, "@", str(file)]
 
 
 def _wait_for_server(path: Path, server: Child, timeout_s: float) -> str:
@@ -148,31 +189,31 @@ def run_rl(config: RlConfig) -> int:
     prepare_run_dir(config, "rl")
     resume_step = _resume_step(config) if config.resume.enabled else 0
     config = _configure(config, resume_step)
-    (config.run_dir / "server.json").unlink(missing_ok=True)  # left by an earlier, killed run
-    devices = {
-        "inference": _devices(config.deploy.inference_gpus),
-        "trainer": _devices(config.deploy.trainer_gpus),
-        "orchestrator": {"CUDA_VISIBLE_DEVICES": ""},
-    }
+    servers = server_configs(config)
+    for stale in (*(s.run_dir / "server.json" for s in servers.values()), announce_path(config.run_dir)):
+        stale.unlink(missing_ok=True)  # left by an earlier, killed run
+    envs = child_envs(config.deploy)
     children: list[Child] = []
     progress = None
     try:
-        for name in ("inference", "trainer"):
-            children.append(_start(name, _command(name, config), config.run_dir, devices[name]))
-        url = _wait_for_server(
-            config.run_dir / "server.json", children[0], config.orchestrator.inference.startup_timeout_s
-        )
-        config = _with_server(config, url)
-        children.append(
-            _start("orchestrator", _command("orchestrator", config), config.run_dir, devices["orchestrator"])
-        )
+        for name, section in servers.items():
+            children.append(_start(name, _command(name, section, config), config.run_dir, envs[name]))
+        children.append(_start("trainer", _command("trainer", config.trainer, config), config.run_dir, envs["trainer"]))
+        timeout = config.orchestrator.inference.startup_timeout_s
+        urls = [
+            _wait_for_server(section.run_dir / "server.json", child, timeout)
+            for section, child in zip(servers.values(), children, strict=False)
+        ]
+        config = _with_servers(config, urls)
+        command = _command("orchestrator", config.orchestrator, config)
+        children.append(_start("orchestrator", command, config.run_dir, envs["orchestrator"]))
         progress = RlProgress(config, resume_step)
         while True:
             progress.refresh()
             failed = next((c for c in children if c.process.poll() not in (None, 0)), None)
             if failed is not None:
                 raise ChildFailed(failed)
-            if all(c.process.poll() == 0 for c in children if c.name != "inference"):
+            if all(c.process.poll() == 0 for c in children if c.name not in servers):
                 progress.refresh()
                 logger.info("done: %d steps; policies in %s", config.max_steps, config.run_dir / "policies")
                 return 0

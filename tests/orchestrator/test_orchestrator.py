@@ -20,6 +20,7 @@ class FakePool:
     def __init__(self, tokenizer, fail_every: int = 0):
         self.tokenizer, self.version, self.idle_s = tokenizer, 0, 0.0
         self.groups, self.fail_every, self.loaded = 0, fail_every, []
+        self.requests = [0]  # requests per server, as InferencePool counts them
 
     async def wait_healthy(self):
         pass

@@ -27,6 +27,8 @@ class ModelConfig(Section):
     """MoE expert compute, one name for every layer or a list with one per layer."""
     freeze_router: bool | None = None
     """Stop gradients into MoE routers (default: on in RL, so expert choices match inference; off in SFT)."""
+    expert_parallel: int = Field(1, ge=1)
+    """Trainer: split each MoE layer's experts over this many ranks, tokens sent to them by all-to-all (1: FSDP shards experts like every other weight). Divides the trainer's world size and the number of experts."""
 
     @model_validator(mode="before")
     @classmethod

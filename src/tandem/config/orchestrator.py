@@ -106,6 +106,8 @@ class OrchestratorConfig(RunConfig):
     """Fail if a batch cannot be filled within this time (e.g. every group is filtered out)."""
     policy_timeout_s: float = Field(1800.0, gt=0)
     """Fail if the trainer publishes no policy the next batch may use within this time."""
+    weight_transport: Literal["file", "broadcast"] = "file"
+    """How the trainer hands over policies (its `weights.transport`; tandem rl sets both): file: load each `<run>/policies/step-N` into every server; broadcast: have the servers join the trainer's broadcast (announced in `<run>/weight_broadcast.json`) and follow the version they serve."""
     resume_step: int = Field(0, ge=0)
     """Continue after this step's batch (the trainer checkpoint being resumed; `tandem rl --resume` sets it)."""
 

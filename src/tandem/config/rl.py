@@ -16,11 +16,29 @@ from tandem.config.training import ResumeConfig
 
 class RlDeployConfig(Section):
     trainer_nproc: int = Field(1, gt=0)
-    """Trainer processes (torchrun above 1): one per GPU in trainer_gpus, or gloo processes on CPU."""
+    """Trainer processes (torchrun above 1): one per GPU in trainer_gpus (the default when they are set), or gloo processes on CPU."""
     trainer_gpus: list[int] = Field(default_factory=list)
-    """GPU indices for the trainer (empty: CPU, or every GPU when inference_gpus is empty too)."""
+    """GPU indices for the trainer. Empty: no GPU when inference_gpus are set, else every GPU (shared with inference)."""
     inference_gpus: list[int] = Field(default_factory=list)
-    """GPU indices for the inference server."""
+    """GPU indices for inference, split evenly over the servers in order (one each for the built-in engine). Empty: no GPU when trainer_gpus are set, else every GPU (shared with the trainer)."""
+    inference_servers: int = Field(1, gt=0)
+    """Inference servers to start; the orchestrator spreads rollouts over all of them."""
+
+    @model_validator(mode="after")
+    def _devices_fit(self) -> RlDeployConfig:
+        if self.trainer_gpus:
+            if "trainer_nproc" not in self.model_fields_set:
+                self.trainer_nproc = len(self.trainer_gpus)
+            elif self.trainer_nproc != len(self.trainer_gpus):
+                raise ValueError(
+                    f"trainer_nproc {self.trainer_nproc} does not match the {len(self.trainer_gpus)} trainer_gpus"
+                )
+        if self.inference_gpus and len(self.inference_gpus) % self.inference_servers:
+            raise ValueError(
+                f"the {len(self.inference_gpus)} inference_gpus do not split evenly over {self.inference_servers} "
+                "inference_servers"
+            )
+        return self
 
 
 class RlConfig(RunConfig):

@@ -28,6 +28,19 @@ class LossConfig(Section):
     """Weight of a k3 KL penalty against the inference policy (0: none)."""
 
 
+class WeightsConfig(Section):
+    transport: Literal["file", "broadcast"] = "file"
+    """How policies reach inference: file (a Hugging Face directory per step under <run>/policies), or broadcast (trainer rank 0 sends them to every server over torch.distributed, tensor by tensor; the last policy is still written as a directory). The orchestrator must use the same (`orchestrator.weight_transport`; tandem rl sets it)."""
+    host: str = "127.0.0.1"
+    """broadcast: the address at which inference servers reach trainer rank 0 (its node's, for several nodes)."""
+    port: int = Field(0, ge=0, le=65535)
+    """broadcast: port of the rendezvous store on trainer rank 0 (0: a free one, announced in <run>/weight_broadcast.json)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """broadcast: the torch.distributed backend (auto: NCCL when the trainer runs on GPUs, else gloo)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """broadcast: fail when a member does not answer within this time (servers joining, a tensor, an acknowledgement)."""
+
+
 class TrainerConfig(TrainingRunConfig):
     command: ClassVar[str] = "trainer"
 
@@ -37,3 +50,5 @@ class TrainerConfig(TrainingRunConfig):
     """Policy loss."""
     batch_timeout_s: float = Field(1800.0, gt=0)
     """Fail if the orchestrator's batch for the next step does not arrive within this time."""
+    weights: WeightsConfig = WeightsConfig()
+    """How each new policy is handed to inference."""

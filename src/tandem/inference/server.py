@@ -53,6 +53,7 @@ from tandem.inference.protocol import (
     UpdateWeightsResponse,
 )
 from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, read_weights, resolve_weights_path
+from tandem.inference.weights_broadcast import BroadcastEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ class InferenceServer:
         self.admin_token, self.weights_dir = admin_token, weights_dir
         self.created = int(time.time())
         self._weights_lock = asyncio.Lock()
+        self.broadcast = BroadcastEndpoint(engine)  # the trainer's weight broadcast (weights_broadcast.py)
 
     def app(self) -> ASGIApp:
         routes = [
@@ -241,6 +243,8 @@ class InferenceServer:
             Route("/update_weights", self._admin(self.update_weights), methods=["POST"]),
             Route("/pause", self._admin(self.pause), methods=["POST"]),
             Route("/resume", self._admin(self.resume), methods=["POST"]),
+            Route("/weights/broadcast/join", self._admin(self.broadcast.join_route), methods=["POST"]),
+            Route("/weights/broadcast", self.broadcast.status_route, methods=["GET"]),
         ]
         handlers = {HTTPError: self._http_error, Exception: self._server_error}
         return QueueDepthHeader(Starlette(routes=routes, exception_handlers=handlers), self.engine)  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Source, TaskSampler, load_sources
 from tandem.run import atomic_write_text, keep_steps_up_to, prepare_run_dir
 from tandem.transport.batches import write_batch
+from tandem.transport.broadcast import Rendezvous, announce_path
 from tandem.transport.policies import latest_policy, policy_dir
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,7 @@ class Orchestrator:
             "rollout_tokens_per_s": tokens / elapsed if elapsed > 0 else None,
             "batch_time_s": elapsed,
             "inference_idle_s": self.pool.idle_s,
+            "inference_requests": list(self.pool.requests),
             "policy_version": self.pool.version,
             "time": time.time(),
         }
@@ -225,13 +227,30 @@ class Orchestrator:
     # -- policies ---------------------------------------------------------------------------------
 
     async def _follow_policies(self) -> None:
-        """Load each policy the trainer publishes, as soon as it is complete."""
+        """Load each policy the trainer publishes, as soon as it is complete (or, when the trainer broadcasts
+        them, follow the version the servers serve)."""
+        if self.config.weight_transport == "broadcast":
+            while True:
+                await self.pool.follow_broadcast()
+                await asyncio.sleep(0.05)
         policies = self.run_dir / "policies"
         while True:
             newest = latest_policy(policies)
             if newest > self.pool.version:
                 await self.pool.load_policy(policy_dir(policies, newest).resolve(), newest)
             await asyncio.sleep(0.05)
+
+    async def _rendezvous(self) -> Rendezvous:
+        """The trainer's weight-broadcast rendezvous, once trainer rank 0 has announced it."""
+        path = announce_path(self.run_dir)
+        deadline = time.monotonic() + self.config.inference.startup_timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the trainer announced no weight broadcast in {path} (is it using weights.transport = broadcast?)"
+                )
+            await asyncio.sleep(0.1)
+        return Rendezvous.model_validate_json(path.read_text())
 
     async def _wait_for_policy(self, version: int) -> None:
         deadline = time.monotonic() + self.config.policy_timeout_s
@@ -293,6 +312,8 @@ class Orchestrator:
         history = self._resume(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await self.pool.wait_healthy()
+        if self.config.weight_transport == "broadcast":
+            await self.pool.join_broadcast(await self._rendezvous())
         followers = asyncio.gather(self._follow_policies(), self._producer())
         metrics_path = self.run_dir / "orchestrator_metrics.jsonl"
         keep_steps_up_to(metrics_path, resume_step)

@@ -19,6 +19,7 @@ from tandem.config.orchestrator import InferencePoolConfig, RolloutSamplingConfi
 from tandem.eval.client import OpenAIClient, RequestError
 from tandem.inference.masks import decode_mask
 from tandem.inference.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
+from tandem.transport.broadcast import JoinRequest, ReceiverStatus, Rendezvous, WeightBroadcastError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class InferencePool:
             for url in config.base_urls
         ]
         self.in_flight = [0] * len(self.clients)
+        self.requests = [0] * len(self.clients)  # rollout requests sent to each server
         self.version = 0
         self.idle_s = 0.0
         self._idle_from = time.monotonic()
@@ -86,6 +88,7 @@ class InferencePool:
                 seed=seed,
             ),
         )
+        self.requests[index] += 1
         with self._busy(index):
             reply = await self.clients[index].request("POST", "/generate", request.model_dump(exclude_none=True))
         response = GenerateResponse.model_validate(reply.data, strict=False)
@@ -101,6 +104,34 @@ class InferencePool:
             await asyncio.gather(*(client.request("POST", "/resume") for client in self.clients))
         self.version = version
         logger.info("inference now serves policy %d", version)
+
+    async def join_broadcast(self, rendezvous: Rendezvous) -> None:
+        """Have every server join the trainer's weight broadcast (server i is rank i + 1); returns once all have."""
+        world_size = len(self.clients) + 1
+        for rank, client in enumerate(self.clients, start=1):
+            join = JoinRequest(**rendezvous.model_dump(), rank=rank, world_size=world_size)
+            await client.request("POST", "/weights/broadcast/join", join.model_dump())
+        deadline = time.monotonic() + rendezvous.timeout_s
+        while any(status.state == "joining" for status in await self.follow_broadcast()):
+            if time.monotonic() > deadline:
+                raise WeightBroadcastError(
+                    f"the inference servers did not join the weight broadcast in {rendezvous.timeout_s:g}s"
+                )
+            await asyncio.sleep(0.1)
+        logger.info("%d inference servers joined the trainer's weight broadcast", len(self.clients))
+
+    async def follow_broadcast(self) -> list[ReceiverStatus]:
+        """Each server's broadcast status; `version` becomes the policy all of them serve. Raises if one failed."""
+        replies = await asyncio.gather(*(client.request("GET", "/weights/broadcast") for client in self.clients))
+        statuses = [ReceiverStatus.model_validate(reply.data) for reply in replies]
+        for url, status in zip(self.config.base_urls, statuses, strict=True):
+            if status.state == "failed":
+                raise WeightBroadcastError(f"inference server {url}: {status.error}")
+        version = min(status.policy_version for status in statuses)
+        if version > self.version:
+            self.version = version
+            logger.info("inference now serves policy %d", version)
+        return statuses
 
     async def close(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.clients))

@@ -1,17 +1,27 @@
-"""Full training checkpoints: model, optimizer, scheduler, data position and RNG, resumable exactly.
+"""Full training checkpoints: model, optimizer, scheduler, data position and RNG, resumable exactly, on any world size.
 
-Layout of `<run>/checkpoints/step-<N>/`: `model.safetensors` (fp32 master weights, unsharded),
-`optimizer.safetensors` (AdamW moments, keyed by parameter name), `state.json` (step, scheduler,
-param groups, RNG, anything else the loop needs). Tensors go through safetensors and the rest
-through JSON, so loading never unpickles. Unsharded state means a checkpoint loads on any world
-size. Every rank takes part in gathering; rank 0 writes into `step-<N>.tmp/` and renames it when
-complete, so a directory named `step-<N>` is always whole.
+Layout of `<run>/checkpoints/step-<N>/`, written by W ranks:
+
+- `model-<r>-of-<W>.safetensors`: the fp32 master weights rank r holds (its FSDP2 shard of each tensor, its
+  experts under expert parallelism; rank 0 also what every rank holds whole). The file's metadata
+  `tandem.pieces` says where each of them sits: `{name: {"shape": whole shape, "offset": [start per dim]}}`.
+- `optimizer-<r>-of-<W>.safetensors`: the AdamW moments, keyed `<parameter>::<state>`, sharded the same way.
+- `state.json`: step, world size, scheduler, optimizer param groups, RNG, anything else the loop needs.
+
+Every rank writes its own files (the run directory is shared, as batches and policies are), nothing is gathered,
+and no rank ever holds a whole tensor it does not own. Loading on another world size or expert-parallel degree
+reads, for each tensor a rank holds now, the overlapping part of every saved piece (safetensors reads slices
+lazily), so checkpoints reshard on load. Tensors go through safetensors and the rest through JSON: loading never
+unpickles. Ranks write into `step-<N>.tmp/` and rank 0 renames it once all are done, so a directory named
+`step-<N>` is always whole. Checkpoints of earlier versions (`model.safetensors` and `optimizer.safetensors`
+with whole tensors) load too.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shutil
 from pathlib import Path
@@ -19,28 +29,49 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tandem.config.errors import ConfigError
+from tandem.trainer.expert_parallel import Piece, expert_params, expert_piece
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_PIECES_KEY = "tandem.pieces"
+_SHARDED = StateDictOptions(full_state_dict=False)
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that is missing or unusable; the message names the directory."""
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -73,23 +104,105 @@ def _set_rng_state(state: dict[str, list[int]]) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+# --- where each local tensor sits in the whole one ---
+
+
+def _dtensor_piece(value: DTensor) -> Piece:
+    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    coordinate = value.device_mesh.get_coordinate() or []
+    # Of the ranks that hold the same values (replicated mesh dims), the first writes them.
+    writer = all(c == 0 for c, p in zip(coordinate, value.placements, strict=True) if isinstance(p, Replicate))
+    return Piece(tuple(value.shape), tuple(offset), writer)
+
+
+class _Layout:
+    """Where each of this rank's tensors sits in the whole one, for the tensors of a model or of its optimizer.
+
+    Optimizer keys are `<parameter>::<state>`; a state with its parameter's shape is sharded like it, any other
+    (AdamW's `step`) is held whole by every rank and written by rank 0."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = get_model_state_dict(model, options=_SHARDED)
+        self.experts = expert_params(model)
+
+    def like(self, name: str) -> Any:
+        """The parameter (a DTensor, or a plain tensor) that tensor `name` belongs to, or None."""
+        return self.params.get(name.rsplit("::", 1)[0])
+
+    def piece(self, name: str, value: torch.Tensor) -> tuple[torch.Tensor, Piece]:
+        """(this rank's local tensor, its piece) for `value`, a DTensor or the local tensor itself."""
+        if isinstance(value, DTensor):
+            return value.to_local(), _dtensor_piece(value)
+        param_name, like = name.rsplit("::", 1)[0], self.like(name)
+        if param_name in self.experts and like is not None and value.shape == like.shape:
+            return value, expert_piece(value, self.experts[param_name][1])
+        return value, Piece(tuple(value.shape), (0,) * value.dim(), _rank() == 0)
+
+
+def _write_pieces(path: Path, state: dict[str, Any], layout: _Layout) -> None:
+    tensors, pieces = {}, {}
+    for name, value in state.items():
+        local, piece = layout.piece(name, value)
+        if piece.writer and local.numel():
+            tensors[name] = local.detach().contiguous().cpu()
+            pieces[name] = {"shape": list(piece.global_shape), "offset": list(piece.offset)}
+    save_file(tensors, str(path), metadata={_PIECES_KEY: json.dumps(pieces)})
+
+
+class _SavedPieces:
+    """Every saved piece of every tensor in a set of safetensors files, read back region by region."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.pieces: dict[str, list[tuple[Path, tuple[int, ...], tuple[int, ...]]]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self._open: dict[Path, Any] = {}
+        for file in files:
+            handle = self._handle(file)
+            meta = json.loads((handle.metadata() or {}).get(_PIECES_KEY, "{}"))
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                tensor = handle.get_slice(name)
+                local = tuple(tensor.get_shape())
+                whole = meta.get(name, {"shape": local, "offset": [0] * len(local)})  # older files: whole tensors
+                self.shapes[name] = tuple(whole["shape"])
+                self.dtypes[name] = _DTYPES[tensor.get_dtype()]
+                self.pieces.setdefault(name, []).append((file, tuple(whole["offset"]), local))
+
+    def _handle(self, file: Path):
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), "pt")
+        return self._open[file]
+
+    def read(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The region `[offset, offset + shape)` of tensor `name`, assembled from the pieces that overlap it."""
+        out = torch.empty(shape, dtype=self.dtypes[name])
+        filled = 0
+        for file, start, size in self.pieces[name]:
+            low = [max(a, b) for a, b in zip(offset, start, strict=True)]
+            high = [min(a + n, b + m) for a, n, b, m in zip(offset, shape, start, size, strict=True)]
+            if any(h <= lo for lo, h in zip(low, high, strict=True)):
+                continue
+            source = tuple(slice(lo - s, h - s) for lo, h, s in zip(low, high, start, strict=True))
+            target = tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, offset, strict=True))
+            handle = self._handle(file)
+            out[target] = handle.get_slice(name)[source] if source else handle.get_tensor(name)
+            filled += math.prod(h - lo for lo, h in zip(low, high, strict=True))
+        if filled != out.numel():
+            raise CheckpointError(
+                f"the saved pieces of {name} cover {filled} of the {out.numel()} values this rank needs"
+            )
+        return out
+
+
+def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     tensors, scalars = {}, {}
     for name, values in state["state"].items():
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{name}::{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{name}::{key}"] = value
             else:
                 scalars[f"{name}::{key}"] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
-
-
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for flat, value in [*tensors.items(), *meta["scalars"].items()]:
-        name, key = flat.rsplit("::", 1)
-        state.setdefault(name, {})[key] = value
-    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def save_checkpoint(
@@ -101,20 +214,22 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write step-<step>/ atomically and keep only the newest `keep` checkpoints."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-    final = root / f"step-{step:06d}"
-    if _is_rank0():
-        tmp = root / f"step-{step:06d}.tmp"
+    """Write step-<step>/ atomically (every rank its own shards) and keep only the newest `keep` checkpoints."""
+    rank, world = _rank(), _world_size()
+    final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-        optim_tensors, optim_meta = _flatten_optimizer(optimizer_state)
-        save_file(optim_tensors, str(tmp / "optimizer.safetensors"))
+    _barrier()
+    optim_tensors, optim_meta = _flatten_optimizer(get_optimizer_state_dict(model, optimizer, options=_SHARDED))
+    suffix, layout = f"{rank:05d}-of-{world:05d}.safetensors", _Layout(model)
+    _write_pieces(tmp / f"model-{suffix}", layout.params, layout)
+    _write_pieces(tmp / f"optimizer-{suffix}", optim_tensors, layout)
+    _barrier()
+    if rank == 0:
         state = {
             "step": step,
+            "world_size": world,
             "scheduler": scheduler.state_dict(),
             "optimizer": optim_meta,
             "rng": _rng_state(),
@@ -126,9 +241,85 @@ def save_checkpoint(
         for old_step, path in list(list_checkpoints(root).items())[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
             logger.debug("removed old checkpoint %s (step %d)", path, old_step)
-        logger.info("saved checkpoint %s", final)
+        logger.info("saved checkpoint %s (%d ranks)", final, world)
     _barrier()
     return final
+
+
+def _files(path: Path, kind: str, state: dict[str, Any]) -> list[Path]:
+    files = sorted(path.glob(f"{kind}*.safetensors"))
+    expected = state.get("world_size")
+    if not files or (expected is not None and len(files) != expected):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {len(files)} {kind} files, expected {expected or 'at least one'}"
+        )
+    return files
+
+
+def _check_names(path: Path, kind: str, saved: _SavedPieces, wanted: set[str]) -> None:
+    missing, unexpected = sorted(wanted - set(saved.shapes)), sorted(set(saved.shapes) - wanted)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this model's {kind}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+
+
+@torch.no_grad()
+def _load_model(path: Path, layout: _Layout, saved: _SavedPieces) -> None:
+    _check_names(path, "weights", saved, set(layout.params))
+    for name, value in layout.params.items():
+        local, piece = layout.piece(name, value)
+        if saved.shapes[name] != piece.global_shape:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has shape {saved.shapes[name]}, the model {piece.global_shape}"
+            )
+        local.copy_(saved.read(name, piece.offset, tuple(local.shape)))
+
+
+def _load_optimizer(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: _Layout,
+    saved: _SavedPieces,
+    meta: dict,
+) -> None:
+    tensors: dict[str, Any] = {}
+    for name, shape in saved.shapes.items():
+        like = layout.like(name)
+        if like is None:
+            raise CheckpointError(f"checkpoint {path}: optimizer state {name} belongs to no parameter of this model")
+        local, piece = layout.piece(name.rsplit("::", 1)[0], like)
+        if shape == piece.global_shape and like.dim():  # sharded like its parameter: read this rank's part
+            part = saved.read(name, piece.offset, tuple(local.shape)).to(local.device)
+            is_dtensor = isinstance(like, DTensor)
+            tensors[name] = (
+                DTensor.from_local(part, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+                if is_dtensor
+                else part
+            )
+        else:
+            tensors[name] = saved.read(name, (0,) * len(shape), shape)
+    state: dict[str, dict[str, Any]] = {}
+    for flat, value in [*tensors.items(), *meta["scalars"].items()]:
+        name, key = flat.rsplit("::", 1)
+        state.setdefault(name, {})[key] = value
+    # The saved param groups may split the parameters differently (expert parallelism on or off): keep this
+    # optimizer's groups and take each one's hyperparameters from the saved group that holds its first parameter.
+    current = get_optimizer_state_dict(model, optimizer, options=_SHARDED)["param_groups"]
+    by_param = {name: group for group in meta["param_groups"] for name in group["params"]}
+    groups = [{**by_param[group["params"][0]], "params": group["params"]} for group in current if group["params"]]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=_SHARDED)
+
+
+def _fit_scheduler(state: dict[str, Any], groups: int) -> dict[str, Any]:
+    """A scheduler state for `groups` param groups (all groups share one schedule)."""
+    state = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = state.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            state[key] = values[:1] * groups
+    return state
 
 
 def load_checkpoint(
@@ -137,18 +328,17 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> dict[str, Any]:
-    """Restore everything save_checkpoint wrote; returns the state dict (step, extra, ...)."""
-    for name in ("state.json", "model.safetensors", "optimizer.safetensors"):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+    """Restore everything save_checkpoint wrote, on this run's world size; returns the state (step, extra, ...)."""
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: state.json is missing")
     state = json.loads((path / "state.json").read_text())
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=options)
-    optimizer_state = _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
-    scheduler.load_state_dict(state["scheduler"])
+    model_files, optimizer_files = _files(path, "model", state), _files(path, "optimizer", state)
+    layout = _Layout(model)
+    _load_model(path, layout, _SavedPieces(model_files))
+    _load_optimizer(path, model, optimizer, layout, _SavedPieces(optimizer_files), state["optimizer"])
+    scheduler.load_state_dict(_fit_scheduler(state["scheduler"], len(optimizer.param_groups)))
     _set_rng_state(state["rng"])
-    logger.info("resumed from %s (step %d)", path, state["step"])
+    logger.info("resumed from %s (step %d, saved by %s ranks)", path, state["step"], state.get("world_size", 1))
     return state
 
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
 from tandem.models import ModelArgs, build_model, load_model, save_model
 from tandem.models.layers.rope import ROPE_BACKENDS
+from tandem.trainer.expert_parallel import apply_expert_parallel
 from tandem.trainer.metrics import flops_per_token
-from tandem.trainer.parallel import DTYPES, World, shard_model
+from tandem.trainer.parallel import DTYPES, World, full_tensors, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,13 @@ def build_training_model(
             active_params(model, args), args.num_layers, args.num_heads, args.head_dim, config.seq_len
         ),
     )
+    if config.model.expert_parallel > 1:
+        if config.compile and config.fullgraph:
+            raise ConfigError(
+                "model.expert_parallel needs fullgraph = false with compile = true: the all-to-all splits depend "
+                "on the routing, so the MoE layers break the graph"
+            )
+        apply_expert_parallel(model, config.model.expert_parallel)
     for index, block in enumerate(model.layers):
         wrap = config.activation_checkpointing == "full" or (
             config.activation_checkpointing == "selective" and index % 2 == 0
@@ -117,19 +124,20 @@ def build_training_model(
         autocast_forward(model, DTYPES[config.model.dtype], world.device)
     if world.is_main:
         logger.info(
-            "model: %s, %.1fM parameters, compute in %s, activation checkpointing %s, compile %s",
+            "model: %s, %.1fM parameters, compute in %s, activation checkpointing %s, compile %s, expert parallel %d",
             args.architecture,
             info.num_params / 1e6,
             config.model.dtype,
             config.activation_checkpointing,
             config.compile,
+            config.model.expert_parallel,
         )
     return model, info
 
 
 def export_hf(model: torch.nn.Module, info: ModelInfo, path: Path, world: World, dtype: str) -> None:
     """Gather the full weights and write a Hugging Face directory from rank 0."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = {name: tensor.cpu() for name, tensor in full_tensors(model) if world.is_main}
     if world.is_main:
         export = build_model(info.args, device="meta")
         export.load_state_dict(state, assign=True, strict=True)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from tandem.trainer import expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +58,49 @@ def init_distributed(timeout_s: float = 600.0) -> World:
 
 
 def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str = "float32") -> torch.nn.Module:
-    """fully_shard every decoder block, then the root: fp32 master weights, compute in `param_dtype`."""
+    """fully_shard every decoder block, then the root: fp32 master weights, compute in `param_dtype`.
+
+    Expert-parallel experts (`expert_parallel.py`) are already split over ranks; FSDP leaves them alone."""
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    ignored = {param for param, _ in expert_parallel.expert_params(model).values()} or None
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mp_policy=policy, ignored_params=ignored)
     return model
+
+
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm after the last backward of a step; returns the norm before clipping.
+
+    With expert parallelism this also finishes the expert gradients (`expert_parallel.reduce_and_clip`)."""
+    if expert_parallel.expert_params(model):
+        return expert_parallel.reduce_and_clip(model, max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The whole shape of every tensor `full_tensors` yields, in the same order, without gathering anything."""
+    experts = expert_parallel.expert_params(model)
+    shapes = {}
+    for name, value in get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)).items():
+        groups = experts[name][1] if name in experts else None
+        shapes[name] = (value.shape[0] * groups.size, *value.shape[1:]) if groups else tuple(value.shape)
+    return shapes
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict name, whole tensor on the device) one at a time, gathered from every rank's shard.
+
+    Collective: every rank iterates to the end, in the same order. Only one whole tensor exists at a time, so
+    the weights can be written or sent without a full copy anywhere."""
+    experts = expert_parallel.expert_params(model)
+    for name, value in get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)).items():
+        if isinstance(value, DTensor):
+            yield name, value.full_tensor()
+        elif name in experts:
+            yield name, expert_parallel.gather_experts(value, experts[name][1])
+        else:
+            yield name, value
 
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:

@@ -19,12 +19,12 @@ from tandem.config.trainer import TrainerConfig
 from tandem.run import prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.loss import LossInputs, k3, policy_loss
-from tandem.trainer.model import build_training_model, export_hf
+from tandem.trainer.model import build_training_model
 from tandem.trainer.monitor import Monitor
-from tandem.trainer.parallel import init_distributed
+from tandem.trainer.parallel import clip_grad_norm_, init_distributed
+from tandem.trainer.publish import make_publisher
 from tandem.trainer.schedule import build_optimizer
 from tandem.transport.batches import read_batch, wait_for_batch
-from tandem.transport.policies import mark_complete, policy_dir
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,10 @@ def train(config: TrainerConfig) -> int:
     model, info = build_training_model(config, world)
     optimizer, scheduler = build_optimizer(model, config)
     run_dir = config.run_dir
-    ckpt_root, batches, policies = run_dir / "checkpoints", run_dir / "batches", run_dir / "policies"
+    ckpt_root, batches = run_dir / "checkpoints", run_dir / "batches"
     start_step = ckpt.resume_step(config, model, optimizer, scheduler)
+    publisher = make_publisher(config, world, model, info)
+    publisher.resumed(start_step)
     monitor = Monitor(config, world, info, start_step)
     try:
         for step in range(start_step + 1, config.max_steps + 1):
@@ -96,14 +98,12 @@ def train(config: TrainerConfig) -> int:
                 (loss * world.world_size).backward()
                 for name, value in {"loss": loss.detach(), **metrics}.items():
                     sums[name] = sums.get(name, 0) + value
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
+            grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            export_hf(model, info, policy_dir(policies, step), world, config.model.dtype)
-            if world.is_main:
-                mark_complete(policy_dir(policies, step))
+            publisher.publish(step)
             monitor.end_step(
                 step,
                 sums=sums,
@@ -115,6 +115,7 @@ def train(config: TrainerConfig) -> int:
                 ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
     finally:
         monitor.close()
+        publisher.close()
     dist.destroy_process_group()
     return 0
 

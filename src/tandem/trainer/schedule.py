@@ -8,6 +8,7 @@ import torch
 
 from tandem.config.common import SchedulerConfig
 from tandem.config.training import TrainingRunConfig
+from tandem.trainer.expert_parallel import param_groups
 
 
 def lr_factor(step: int, total_steps: int, config: SchedulerConfig) -> float:
@@ -33,7 +34,7 @@ def build_optimizer(
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the (fp32 master) parameters and its schedule over `config.max_steps`."""
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        param_groups(model),
         lr=config.optim.lr,
         betas=config.optim.betas,
         eps=config.optim.eps,

@@ -26,7 +26,7 @@ from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_doc
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
 from tandem.trainer.model import build_training_model, export_hf, rope_backend
 from tandem.trainer.monitor import Monitor
-from tandem.trainer.parallel import World, init_distributed
+from tandem.trainer.parallel import World, clip_grad_norm_, init_distributed
 from tandem.trainer.schedule import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def train(config: SftConfig) -> int:
                     # over every rank's tokens divided by the global token count, however the batch is split.
                     (nll * (world.world_size / global_loss_tokens)).backward()
                     loss_sum += nll.detach()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm)
+                grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm)
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
                 scheduler.step()

@@ -164,8 +164,11 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         router_weight = self.router.weight.detach() if self.freeze_router else self.router.weight
         weights, experts = route(F.linear(x, router_weight), self.top_k, self.norm_topk_prob, self.balanced_routing)
-        out = MOE_BACKENDS[self.backend](x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
-        return out.reshape(shape)
+        return self.run_experts(x, weights, experts).reshape(shape)
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """`[T, H]`: each token's chosen experts, weighted and summed (expert parallelism overrides this)."""
+        return MOE_BACKENDS[self.backend](x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
 
     def extra_repr(self) -> str:
         return (
