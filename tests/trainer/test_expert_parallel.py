@@ -27,11 +27,12 @@ def _build(backend: str):
 def _full_grads(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from tandem.trainer.expert_parallel import expert_params, gather_experts
+    from tandem.trainer.expert_parallel import clean_fqn, expert_params, gather_experts
 
     experts = expert_params(model)
     grads = {}
-    for name, param in model.named_parameters():
+    for wrapped, param in model.named_parameters():
+        name = clean_fqn(wrapped)
         if isinstance(param.grad, DTensor):
             grads[name] = param.grad.full_tensor()
         elif name in experts:
@@ -41,7 +42,9 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _compare(rank: int, world: int, sizes: list[int], backend: str) -> None:
+def _compare(rank: int, world: int, sizes: list[int], backend: str, checkpointing: bool) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     from tandem.config import ConfigError
     from tandem.trainer.expert_parallel import ExpertParallelMoE, apply_expert_parallel, reduce_and_clip
     from tandem.trainer.parallel import shard_model
@@ -58,6 +61,9 @@ def _compare(rank: int, world: int, sizes: list[int], backend: str) -> None:
         apply_expert_parallel(model, size)
         layer = model.layers[0].mlp
         assert isinstance(layer, ExpertParallelMoE) and layer.experts.gate_up_proj.shape[0] == 8 // size
+        if checkpointing:  # backward recomputes each block, all-to-alls included, on every rank alike
+            for index, block in enumerate(model.layers):
+                model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
         shard_model(model, "float32")
         nll = model(inputs[mine], targets=targets[mine], nll_sum=True)
         (nll * world / tokens).backward()  # as the trainers do: FSDP (and reduce_and_clip) average over ranks
@@ -78,9 +84,9 @@ def _compare(rank: int, world: int, sizes: list[int], backend: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "sizes", "backend"),
-    [(2, [2], "grouped_mm"), (4, [2, 4], "loop")],
-    ids=["2 ranks, ep 2", "4 ranks, ep 2 (two replicas) and ep 4"],
+    ("world", "sizes", "backend", "checkpointing"),
+    [(2, [2], "grouped_mm", True), (4, [2, 4], "loop", False)],
+    ids=["2 ranks, ep 2, activation checkpointing", "4 ranks, ep 2 (two replicas) and ep 4"],
 )
-def test_expert_parallel_gives_the_losses_and_gradients_of_one_process(world, sizes, backend):
-    run_ranks(world, _compare, sizes, backend)
+def test_expert_parallel_gives_the_losses_and_gradients_of_one_process(world, sizes, backend, checkpointing):
+    run_ranks(world, _compare, sizes, backend, checkpointing)
