@@ -49,8 +49,7 @@ class SftSpeedConfig(Section):
     save_final: bool = True
     """Write the final training checkpoint and Hugging Face export (benchmarks turn this off)."""
     fsdp_single_process: bool = True
-    """On one process, wrap the model in FSDP2 as on several. Off: a plain module whose forward runs under
-    torch.autocast(model.dtype), without FSDP's per-step parameter and gradient copies (torchtitan's 1-GPU set-up)."""
+    """One process in FSDP2 as on several; off: a plain module under autocast, no FSDP copies (torchtitan's 1-GPU way)."""
 
 
 class SftConfig(TrainingRunConfig):
