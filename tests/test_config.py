@@ -236,3 +236,8 @@ def test_one_flag_value_for_a_list_or_scalar_field_is_the_scalar():
     assert two.model.moe_backend == ["loop", "grouped_mm"]
     listed, _ = load_config(SftConfig, ["--speed.sdpa-backends", "cudnn"])
     assert listed.speed.sdpa_backends == ("cudnn",)
+
+
+def test_vllm_with_the_weight_broadcast_is_refused_up_front():
+    with pytest.raises(ConfigError, match='needs the built-in engine'):
+        load_config(RlConfig, ["--inference.engine", "vllm", "--trainer.weights.transport", "broadcast"])

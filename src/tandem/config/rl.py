@@ -59,6 +59,15 @@ class RlConfig(RunConfig):
     """Continue a killed run from the trainer's last checkpoint (`--resume`)."""
 
     @model_validator(mode="after")
+    def _vllm_takes_files(self) -> RlConfig:
+        if self.inference.engine == "vllm" and self.trainer.weights.transport == "broadcast":
+            raise ValueError(
+                'trainer.weights.transport = "broadcast" needs the built-in engine: the vLLM server only loads '
+                'policies from their directories (use transport = "file")'
+            )
+        return self
+
+    @model_validator(mode="after")
     def _replayable_sampling(self) -> RlConfig:
         """vLLM returns no sampling masks: refuse truncated sampling up front, not at the first rollout."""
         if self.inference.engine != "vllm" or not self.inference.exact_replay:
