@@ -65,12 +65,14 @@ def test_help_groups_fields_by_section(capsys):
 
 def test_sft_dry_run_prints_merged_config(tmp_path):
     config_file = tmp_path / "some.toml"
-    config_file.write_text(textwrap.dedent("""
+    config_file.write_text(
+        textwrap.dedent("""
         seq_len = 1024
         [optim]
         lr = 1e-4
         weight_decay = 0.1
-    """))
+    """)
+    )
     result = tandem("sft", "--dry-run", "@", str(config_file), "--optim.lr", "3e-6")
     assert result.returncode == 0, result.stderr
     resolved = tmp_path / "resolved.toml"

@@ -107,7 +107,9 @@ def test_unknown_key_in_array_of_tables_line(tmp_path):
 
 
 def test_unknown_flag_names_flag_and_suggestion():
-    with pytest.raises(ConfigError, match=r"unknown key `optim\.lrx` \(did you mean `optim\.lr`\?\) \(flag --optim\.lrx\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key `optim\.lrx` \(did you mean `optim\.lr`\?\) \(flag --optim\.lrx\)"
+    ):
         load_config(SftConfig, ["--optim.lrx", "1"])
     with pytest.raises(ConfigError, match=r"unknown key `optimm` \(did you mean `optim`\?\)"):
         load_config(SftConfig, ["--optimm.lr", "1"])
@@ -119,7 +121,9 @@ def test_bad_value_names_key_value_type_and_source(tmp_path):
     message = str(error.value)
     assert "`optim.lr` = 'abc'" in message and "flag --optim.lr" in message and "expected float" in message
     a = write(tmp_path, "a.toml", "[data]\non_bad_row = 'explode'\n")
-    with pytest.raises(ConfigError, match=r"`data\.on-bad-row` = 'explode' \(from .*a\.toml:2\), expected 'skip' \| 'fail'"):
+    with pytest.raises(
+        ConfigError, match=r"`data\.on-bad-row` = 'explode' \(from .*a\.toml:2\), expected 'skip' \| 'fail'"
+    ):
         load_config(SftConfig, ["@", a])
     with pytest.raises(ConfigError, match=r"`max-steps` = '0'.*greater than 0"):
         load_config(SftConfig, ["--max-steps", "0"])
@@ -239,5 +243,5 @@ def test_one_flag_value_for_a_list_or_scalar_field_is_the_scalar():
 
 
 def test_vllm_with_the_weight_broadcast_is_refused_up_front():
-    with pytest.raises(ConfigError, match='needs the built-in engine'):
+    with pytest.raises(ConfigError, match="needs the built-in engine"):
         load_config(RlConfig, ["--inference.engine", "vllm", "--trainer.weights.transport", "broadcast"])

@@ -36,7 +36,10 @@ def test_rl_raises_the_reward_with_tiny_mismatch(tmp_path):
     sources.write_text(
         '[[orchestrator.source]]\nid = "rl_toy_env:LetterE"\nsampling = { temperature = 1.0, max_tokens = 24 }\n'
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")])),
+    }
     start = tmp_path / "reverse-text-sft" / "hf" / "final"
     run([*tandem, "rl", "@", str(EXAMPLE / "rl.toml"), "@", str(sources), "--model.name", str(start),
          "--output-dir", str(tmp_path), "--max-steps", "20", "--trainer.optim.lr", "3e-4",

@@ -95,7 +95,9 @@ def test_hf_export_loads_in_transformers_with_the_trained_weights(tiny_model_dir
     run_dir = tmp_path / arch
     reference = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "final", dtype=torch.float32)
     trained = load_model(tiny_model_dir(arch), dtype=torch.float32)  # same shapes; weights replaced below
-    master = load_file(run_dir / "checkpoints" / "step-000002" / "model-00000-of-00001.safetensors")  # one rank: whole tensors
+    master = load_file(
+        run_dir / "checkpoints" / "step-000002" / "model-00000-of-00001.safetensors"
+    )  # one rank: whole tensors
     trained.load_state_dict(master, strict=True)
     before = load_model(tiny_model_dir(arch), dtype=torch.float32)
     ids = torch.tensor([[5, 17, 33, 2, 9, 41]])

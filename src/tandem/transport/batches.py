@@ -71,6 +71,8 @@ def wait_for_batch(root: Path, step: int, timeout_s: float, poll_s: float = 0.05
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() > deadline:
-            raise BatchTimeout(f"no batch for step {step} in {root} after {timeout_s:.0f}s: is the orchestrator running?")
+            raise BatchTimeout(
+                f"no batch for step {step} in {root} after {timeout_s:.0f}s: is the orchestrator running?"
+            )
         time.sleep(poll_s)
     return path

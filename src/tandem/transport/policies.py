@@ -37,7 +37,9 @@ def wait_for_policy(root: Path, step: int, timeout_s: float, poll_s: float = 0.0
     deadline = time.monotonic() + timeout_s
     while not (path / COMPLETE).exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"policy {step} did not appear in {root} within {timeout_s:.0f}s: is the trainer running?")
+            raise TimeoutError(
+                f"policy {step} did not appear in {root} within {timeout_s:.0f}s: is the trainer running?"
+            )
         time.sleep(poll_s)
     return path
 
