@@ -54,7 +54,11 @@ def mismatch_kl(policy: Path, batch: list[dict]) -> float:
 def test_tandem_rl_trains_against_vllm_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     model = tiny_model_dir("qwen3", head_dim=64, initializer_range=INIT_STD)
     sources = tmp_path / "sources.toml"
-    sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\nsampling = { max_tokens = 16 }\n')
+    sources.write_text(
+        '[[orchestrator.source]]\nid = "reverse_text"\nsampling = { max_tokens = 16 }\n'
+        "[orchestrator.eval]\ninterval = 2\n"  # online evals go through vLLM's own chat route
+        '[[orchestrator.eval.source]]\nid = "arithmetic"\nargs = { num_tasks = 3 }\nsampling = { max_tokens = 8 }\n'
+    )
     command = [
         sys.executable, "-m", "tandem", "rl", "--model", str(model), "--model.dtype", "float32", "--seq-len", "256",
         "--output-dir", str(tmp_path), "--run-name", "rl", "@", str(sources), "--max-steps", str(STEPS),
@@ -65,7 +69,11 @@ def test_tandem_rl_trains_against_vllm_and_serves_each_new_policy(tiny_model_dir
     result = subprocess.run(command, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "rl"
-    trainer, rollouts = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    trainer, stream = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    rollouts = [r for r in stream if r.get("kind") != "eval"]
+    evals = [r for r in stream if r.get("kind") == "eval"]
+    assert [e["step"] for e in evals] == [2]
+    assert evals[0]["eval/arithmetic/ok"] + evals[0]["eval/arithmetic/truncated"] == 3, evals
     assert [r["step"] for r in trainer] == [r["step"] for r in rollouts] == list(range(1, STEPS + 1))
     # async_level 0: batch N is sampled by policy N-1, the weights the trainer holds at step N
     assert [r["policy_version"] for r in rollouts] == list(range(STEPS))

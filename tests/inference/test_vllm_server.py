@@ -103,14 +103,22 @@ def server(model, weights, tmp_path_factory):
     assert vllm.process.returncode == 0, log_tail(vllm.log)
 
 
+@pytest.fixture(scope="module")
+def tokenizer_of():
+    from transformers import AutoTokenizer
+
+    return lambda path: AutoTokenizer.from_pretrained(path)
+
+
 def built_in_greedy(make_engine, path: Path, max_tokens: int = 24):
     engine = make_engine(path=path)
     return engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
-def test_greedy_output_is_the_built_in_engines(server, model, make_engine):
+def test_greedy_output_is_the_built_in_engines(server, model, make_engine, tokenizer_of):
     vllm = server.generate(PROMPTS, temperature=0.0, max_tokens=24)
-    built_in = built_in_greedy(make_engine, model)
+    engine = make_engine(path=model)
+    built_in = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     for ours, theirs in zip(built_in, vllm.outputs, strict=True):
         sample = theirs.samples[0]
         assert sample.token_ids == ours[0].token_ids
@@ -118,6 +126,13 @@ def test_greedy_output_is_the_built_in_engines(server, model, make_engine):
         # greedy logprobs are those of softmax(logits), on both engines
         assert sample.logprobs == pytest.approx(ours[0].logprobs, abs=1e-4)
         assert sample.masks is None and sample.versions == [0] * len(sample.token_ids)
+    # a stop string ends both completions after the token that completed it
+    text = tokenizer_of(model).decode(built_in[0][0].token_ids)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    ours = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))[0][0]
+    theirs = server.generate(PROMPTS[:1], temperature=0.0, max_tokens=24, stop=[stop]).outputs[0].samples[0]
+    assert theirs.token_ids == ours.token_ids and len(ours.token_ids) < 24
+    assert theirs.finish_reason == ours.finish_reason == "stop" and theirs.stop_reason == ours.stop_reason == stop
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -254,4 +269,7 @@ def test_weight_updates_load_each_policy_in_place(server, weights, make_engine):
     assert reply.status_code == 200 and reply.json()["pause_s"] >= reply.json()["load_s"]
     long.join(60)
     versions = result["r"].outputs[0].samples[0].versions
+    print(
+        f"\na 200-token request across an update: {versions.count(2)} tokens of version 2, then {versions.count(3)} of 3"
+    )
     assert len(versions) == 200 and set(versions) <= {2, 3} and versions == sorted(versions)
