@@ -165,15 +165,15 @@ class TandemRoutes:
         return _version_number(await engine.get_weight_version()) or 0
 
     async def _status(self, engine: Any) -> EngineStatus:
-        error = self.error
-        if error is None:
-            try:
-                await engine.check_health()
-            except Exception as failure:
-                error = f"the vLLM engine is not running: {type(failure).__name__}: {failure}"
-        if error is not None:
+        try:
+            await engine.check_health()
+        except Exception as failure:
+            error = f"the vLLM engine is not running: {type(failure).__name__}: {failure}"
             return EngineStatus(status="error", paused=False, policy_version=0, error=error)
-        return EngineStatus(status="ok", paused=await engine.is_paused(), policy_version=await self._version(engine))
+        paused, version = await engine.is_paused(), await self._version(engine)
+        return EngineStatus(
+            status="error" if self.error else "ok", paused=paused, policy_version=version, error=self.error
+        )
 
     # --- routes ---
 
@@ -263,16 +263,18 @@ class TandemRoutes:
             if hold:
                 await engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                load_s = max(await engine.collective_rpc("tandem_load_weights", args=(str(path),)))
-            except Exception as error:
-                self.error = f"loading {path} failed part-way: {type(error).__name__}: {error}"
-                raise
-            self.error = None
-            # The cached keys and values were computed with the old weights: requests in flight are recomputed.
-            await engine.reset_prefix_cache(reset_running_requests=True)
-            await engine.update_weight_version(str(body.version))
-            if hold:
-                await engine.resume_generation()
+                try:
+                    load_s = max(await engine.collective_rpc("tandem_load_weights", args=(str(path),)))
+                except Exception as error:
+                    self.error = f"loading {path} failed part-way: {type(error).__name__}: {error}"
+                    raise
+                self.error = None
+                # The cached keys and values were computed with the old weights: requests in flight are recomputed.
+                await engine.reset_prefix_cache(reset_running_requests=True)
+                await engine.update_weight_version(str(body.version))
+            finally:
+                if hold:
+                    await engine.resume_generation()
             pause_s = time.monotonic() - started
         logger.info(
             "loaded %s as policy version %d (%.2f s, generation held %.2f s)", path, body.version, load_s, pause_s
