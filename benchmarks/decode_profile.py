@@ -2,9 +2,10 @@
 the HBM roofline of the same step.
 
     python benchmarks/decode_profile.py                  # GPU: Qwen3-0.6B and 1.7B shapes, batch 1 and 32
-    python benchmarks/decode_profile.py --models qwen3-0.6b --batches 1
+    python benchmarks/decode_profile.py --models qwen3-0.6b --batches 1 --steps triton
 
-One engine decode step (`decode.decode_step`, 256-token key capacity, random bf16 weights) is profiled eagerly
+One engine decode step (256-token key capacity, random bf16 weights), module by module (`decode.decode_step`,
+`torch`) and on the Triton decode kernels (`fused_decode.fused_decode_step`, `triton`), is profiled eagerly
 with torch.profiler (kernel count and the sum of the kernels' own durations: the GPU work, without launch gaps),
 then captured as a CUDA graph and replayed (wall time per replay). If the replay takes about the summed kernel
 time, the step is bound by its kernels; the roofline is the weights read once over the copy bandwidth measured
@@ -24,13 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from inference import MODELS, hbm_bandwidth
 from tandem.inference.cuda_graphs import GraphedDecoder
-from tandem.inference.decode import EagerDecoder
+from tandem.inference.decode import EagerDecoder, StepFunction, decode_step
+from tandem.inference.fused_decode import fused_decode_step
 from tandem.models import KVCache, build_model
 
 BLOCK_SIZE, KEY_CAPACITY = 16, 256
+STEPS: dict[str, StepFunction] = {"torch": decode_step, "triton": fused_decode_step}
 
 
-def profile(name: str, batch: int, bandwidth: float) -> tuple[list[str], Counter]:
+def profile(name: str, batch: int, step: str, bandwidth: float) -> tuple[list[str], Counter]:
     shape = MODELS[name]
     model = build_model(shape.hf_config(), dtype=torch.bfloat16, device="cuda", seed=0).eval()
     args = model.args
@@ -40,7 +43,9 @@ def profile(name: str, batch: int, bandwidth: float) -> tuple[list[str], Counter
     )
     tables = [[1 + row * blocks + b for b in range(blocks)] for row in range(batch)]
     tokens, lengths = [1] * batch, [KEY_CAPACITY // 2] * batch
-    eager, graphed = EagerDecoder(model, cache), GraphedDecoder(model, cache, [batch], blocks)
+    step_fn = STEPS[step]
+    eager = EagerDecoder(model, cache, step_fn)
+    graphed = GraphedDecoder(model, cache, [batch], blocks, step_fn)
     with torch.inference_mode():
         for _ in range(3):
             eager(tokens, lengths, tables)
@@ -66,6 +71,7 @@ def profile(name: str, batch: int, bandwidth: float) -> tuple[list[str], Counter
     row = [
         name,
         str(batch),
+        step,
         str(len(kernels)),
         f"{len(kernels) / args.num_layers:.0f}",
         f"{kernel_ms:.3f}",
@@ -81,16 +87,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=sorted(MODELS))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=list(STEPS))
     args = parser.parse_args()
     bandwidth = hbm_bandwidth(torch.device("cuda"), 4.0)
-    header = ["model", "batch", "kernels", "per layer", "kernel ms", "replay ms", "roofline ms", "% roof"]
+    header = ["model", "batch", "step", "kernels", "per layer", "kernel ms", "replay ms", "roofline ms", "% roof"]
     rows, tops = [header], []
     for name in args.models:
         for batch in args.batches:
-            row, top = profile(name, batch, bandwidth)
-            rows.append(row)
-            tops.append((f"{name} batch {batch}", top))
-            torch.cuda.empty_cache()
+            for step in args.steps:
+                row, top = profile(name, batch, step, bandwidth)
+                rows.append(row)
+                tops.append((f"{name} batch {batch}, {step} step", top))
+                torch.cuda.empty_cache()
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     print("\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows))
     for label, top in tops:

@@ -16,8 +16,9 @@ then decodes together. Per run:
   copy), every weight once (the embedding table only for the batch's rows when it is not tied to the LM
   head) and each sequence's K/V at the mean decode context `prompt_len + gen_len / 2`.
 
-Engine variants: eager (op by op), CUDA graphs (one per batch bucket), CUDA graphs + torch.compile (decode
-step compiled with dynamic shapes; its compile time is printed). The table comes last.
+Engine variants: the module-by-module decode step (`torch`) eager and under CUDA graphs (one per batch
+bucket), the Triton decode kernels (`triton`, the default on CUDA) under CUDA graphs, and with `--compile`
+the module step compiled (dynamic shapes) under CUDA graphs. The table comes last.
 """
 
 from __future__ import annotations
@@ -155,12 +156,11 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     prompts = torch.randint(0, shape.vocab, (max(batches), args.prompt_len), generator=generator)
     model = build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0)
     context = args.prompt_len + args.gen_len
-    variants = [("eager", False, False)]
+    variants = [("torch eager", False, False, "torch")]
     if device.type == "cuda":
-        variants += [("cuda graphs", True, False)] + (
-            [] if args.no_compile else [("cuda graphs + compile", True, True)]
-        )
-    for label, graphs, compile in variants:
+        variants += [("torch cuda graphs", True, False, "torch"), ("triton cuda graphs", True, False, "triton")]
+        variants += [("torch cuda graphs + compile", True, True, "torch")] if args.compile else []
+    for label, graphs, compile, kernels in variants:
         config = InferenceConfig(
             seq_len=context,
             block_size=BLOCK_SIZE,
@@ -170,6 +170,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
             cuda_graphs=graphs,
             cuda_graph_batch_sizes=batches,
             compile=compile,
+            decode_kernels=kernels,
         )
         engine = Engine(model, config).start()
         try:
@@ -243,7 +244,7 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--gen-len", type=int, default=None)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    parser.add_argument("--compile", action="store_true", help="add the torch.compile variant (minutes of compiling)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     args = parser.parse_args()
     smoke = args.smoke

@@ -6,10 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU, Triton kernels run under Triton's interpreter; it is read when a kernel is defined, so here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,9 @@ class InferenceConfig(RunConfig):
     """Replay decode steps from CUDA graphs, one per batch-size bucket (CUDA only)."""
     cuda_graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     """Batch-size buckets decode steps are padded to for CUDA graphs; larger steps run eagerly."""
+    decode_kernels: Literal["auto", "torch", "triton"] = "auto"
+    """Decode step: triton (a layer in ~9 kernels, K/V read in place), torch (module by module), auto (triton on CUDA)."""
     compile: bool = False
-    """torch.compile the decode step (fewer, fused kernels; adds compile time at start-up)."""
+    """torch.compile the module-by-module decode step (decode_kernels = torch); adds compile time at start-up."""
     max_logprobs: int = Field(20, ge=0)
     """Largest top_logprobs / logprobs a request may ask for."""

@@ -15,6 +15,7 @@ and they continue (their cached keys and values stay; every token records the ve
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -30,7 +31,8 @@ import torch
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.cuda_graphs import GraphedDecoder
-from tandem.inference.decode import EagerDecoder, decode_step
+from tandem.inference.decode import EagerDecoder, StepFunction, decode_step
+from tandem.inference.fused_decode import fused_decode_step, fused_decode_supported, triton_available
 from tandem.inference.kv_budget import block_bytes, kv_cache_blocks
 from tandem.inference.masks import encode_mask
 from tandem.inference.outputs import RequestUpdate, SampleRecord, SampleUpdate
@@ -139,15 +141,33 @@ class Engine:
         self.gauges = Gauges()
 
     def _decoder(self) -> EagerDecoder | GraphedDecoder:
-        step = torch.compile(decode_step, dynamic=True) if self.config.compile else decode_step
+        step = self._decode_step()
+        compiled = step is not decode_step and step is not fused_decode_step
         if self.config.cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-self.max_model_len // self.config.block_size)
             # Compiled, a batch of 1 would be a second compilation (size 1 is always specialised); a padded
             # row costs next to nothing in a memory-bound step.
-            smallest = 2 if self.config.compile else 1
+            smallest = 2 if compiled else 1
             sizes = [max(b, smallest) for b in self.config.cuda_graph_batch_sizes if b <= self.config.max_running]
             return GraphedDecoder(self.model, self.cache, sizes, max_blocks, step)
         return EagerDecoder(self.model, self.cache, step)
+
+    def _decode_step(self) -> StepFunction:
+        """The Triton step where asked (auto: on CUDA with triton installed), else the module step, compiled if asked."""
+        kernels = self.config.decode_kernels
+        unsupported = fused_decode_supported(self.model)
+        if kernels == "auto":
+            kernels = "triton" if self.device.type == "cuda" and triton_available() and unsupported is None else "torch"
+        if kernels == "triton":
+            if unsupported is not None or not triton_available():
+                raise ValueError(f"inference.decode_kernels = triton: {unsupported or 'the triton package is missing'}")
+            if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("inference.decode_kernels = triton needs CUDA (or TRITON_INTERPRET=1, for tests)")
+            if self.config.compile:
+                logger.info("decode uses the Triton kernels; inference.compile applies to decode_kernels = torch only")
+            logger.info("decode steps run on the Triton decode kernels")
+            return fused_decode_step
+        return torch.compile(decode_step, dynamic=True) if self.config.compile else decode_step
 
     # --- the public interface (any thread) ---
 

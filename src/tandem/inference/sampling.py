@@ -208,8 +208,9 @@ class Sampler:
         lse: torch.Tensor,
         kept: list[list[int] | None] | None,
     ) -> None:
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
-            out.tokens[row], out.logprobs[row] = token, logprob
+        host_tokens, host_logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
+        for row, token, logprob in zip(rows, host_tokens, host_logprobs, strict=True):
+            out.tokens[row], out.logprobs[row] = int(token), logprob
         if kept is not None:
             for row, ids in zip(rows, kept, strict=True):
                 out.kept[row] = ids

@@ -1,0 +1,101 @@
+"""The Triton decode step equals the module-by-module decode step: logits, cache writes, and engine tokens.
+
+On CPU the kernels run under Triton's interpreter in fp32 (tests/conftest.py sets TRITON_INTERPRET before any
+kernel is defined; the interpreter's bf16 is not the GPU's); on CUDA they run compiled, in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="the decode kernels need the triton package")
+
+from tandem.inference.decode import decode_inputs, decode_step
+from tandem.inference.fused_decode import fused_decode_step
+from tandem.inference.protocol import SamplingParams
+from tandem.kernels.decode import paged_decode_attention
+from tandem.models import KVCache, load_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK = 4
+
+
+def _random_step(args, rows: int, width: int, seed: int, dtype: torch.dtype):
+    """A filled cache (random K/V everywhere) and decode inputs: distinct blocks per row, lengths up to width."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = 1 + rows * width
+    cache = KVCache(args.num_layers, blocks, BLOCK, args.num_kv_heads, args.head_dim, dtype, DEVICE)
+    for tensor in cache.k + cache.v:
+        tensor.copy_(torch.randn(tensor.shape, generator=g))
+    order = (torch.randperm(blocks - 1, generator=g) + 1).tolist()
+    lengths = torch.randint(0, width * BLOCK, (rows,), generator=g).tolist()
+    tables = [order[i * width : i * width + length // BLOCK + 1] for i, length in enumerate(lengths)]
+    tokens = torch.randint(0, args.vocab_size, (rows,), generator=g).tolist()
+    return cache, decode_inputs(tokens, lengths, tables, rows, width).to(DEVICE)
+
+
+def _clone(cache: KVCache) -> KVCache:
+    copy = KVCache(1, 1, cache.block_size, 1, 1, cache.k[0].dtype, DEVICE)
+    copy.k, copy.v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+    copy.num_blocks = cache.num_blocks
+    return copy
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
+def test_fused_step_equals_the_module_step_fp32(arch, model_dir):
+    model = load_model(model_dir(arch), dtype=torch.float32, device=DEVICE).eval()
+    cache, inputs = _random_step(model.args, rows=5, width=6, seed=1, dtype=torch.float32)
+    reference = _clone(cache)
+    with torch.no_grad():
+        got, want = fused_decode_step(model, cache, inputs), decode_step(model, reference, inputs)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    for fused, plain in zip(cache.k + cache.v, reference.k + reference.v, strict=True):  # same rows written
+        torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-program", "split-keys"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (8, 1)])
+def test_paged_attention_equals_sdpa_over_gathered_keys(heads, kv_heads, splits):
+    """GQA groups of 3 (padded rows), 1 and 8; keys spanning many blocks in shuffled block order; the key range
+    in one program, or split over three whose partial softmaxes are combined (some splits past a row's keys)."""
+    g = torch.Generator().manual_seed(0)
+    dim, blocks, rows, width = 16, 120, 3, 40
+    k_cache, v_cache = (torch.randn(blocks, BLOCK, kv_heads, dim, generator=g).to(DEVICE) for _ in range(2))
+    tables = torch.randperm(blocks, generator=g)[: rows * width].view(rows, width).to(DEVICE)
+    lengths = torch.tensor([0, 17, width * BLOCK - 1], device=DEVICE)
+    q = torch.randn(rows, heads, dim, generator=g).to(DEVICE)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lengths, scale=0.3, splits=splits)
+    for row, length in enumerate(lengths.tolist()):
+        slots = (tables[row, :, None] * BLOCK + torch.arange(BLOCK, device=DEVICE)).flatten()[: length + 1]
+        keys, values = (c.flatten(0, 1)[slots].transpose(0, 1) for c in (k_cache, v_cache))
+        want = F.scaled_dot_product_attention(q[row, :, None], keys, values, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(got[row].view(heads, dim), want[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_with_fused_decode_gives_the_module_tokens(make_engine):
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20] * 30]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = make_engine(decode_kernels="torch", cuda_graphs=False, device=DEVICE, kv_cache_blocks=64)
+    fused = make_engine(decode_kernels="triton", cuda_graphs=False, device=DEVICE, kv_cache_blocks=64)
+    want, got = plain.generate(prompts, params), fused.generate(prompts, params)
+    assert [s[0].token_ids for s in got] == [s[0].token_ids for s in want]
+    torch.testing.assert_close([s[0].logprobs for s in got], [s[0].logprobs for s in want], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and CUDA graphs need CUDA")
+def test_fused_step_bf16_and_under_cuda_graphs(model_dir, make_engine):
+    model = load_model(model_dir("qwen3"), dtype=torch.bfloat16, device="cuda").eval()
+    cache, inputs = _random_step(model.args, rows=7, width=5, seed=2, dtype=torch.bfloat16)
+    reference = _clone(cache)
+    with torch.no_grad():
+        got, want = fused_decode_step(model, cache, inputs), decode_step(model, reference, inputs)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)  # bf16 rounding, reordered sums
+    prompts, params = [[5, 6, 7], [20] * 30], SamplingParams(temperature=0, max_tokens=16)
+    eager = make_engine(decode_kernels="torch", cuda_graphs=False, device="cuda", kv_cache_blocks=64)
+    graphed = make_engine(decode_kernels="triton", cuda_graphs=True, device="cuda", kv_cache_blocks=64)
+    assert [s[0].token_ids for s in graphed.generate(prompts, params)] == [
+        s[0].token_ids for s in eager.generate(prompts, params)
+    ]
+    assert graphed.decoder.captured
