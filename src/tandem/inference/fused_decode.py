@@ -29,9 +29,16 @@ def fused_decode_supported(model: CausalLM) -> str | None:
     return None
 
 
-def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
-    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row."""
+def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, gemv: bool = True) -> torch.Tensor:
+    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row.
+
+    `gemv`: project through the Triton GEMV (`tandem.kernels.gemv`) at batches it takes, else cuBLAS.
+    """
     from tandem.kernels.decode import add_rms_norm, paged_decode_attention, qk_norm_rope_store, silu_mul
+    from tandem.kernels.gemv import MAX_ROWS
+    from tandem.kernels.gemv import gemv as triton_gemv
+
+    linear = triton_gemv if gemv and inputs.shape[0] <= MAX_ROWS else F.linear
 
     tokens, lengths, tables = inputs[:, 0], inputs[:, 1].contiguous(), inputs[:, 2:]
     size = cache.block_size
@@ -43,17 +50,17 @@ def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor) -> 
     for index, layer in enumerate(model.layers):
         attn = layer.self_attn
         x = add_rms_norm(delta, residual, layer.input_layernorm.weight, eps)
-        qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
         q_norm = None if attn.q_norm is None else attn.q_norm.weight
         k_norm = None if attn.k_norm is None else attn.k_norm.weight
         q = qk_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, cache.k[index], cache.v[index], write_index)
         out = paged_decode_attention(q, cache.k[index], cache.v[index], tables, lengths, attn.scale)
-        delta = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        delta = linear(out, attn.o_proj.weight, attn.o_proj.bias)
         x = add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
-            hidden = silu_mul(F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))
-            delta = F.linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
+            hidden = silu_mul(linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))
+            delta = linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
         else:
             delta = mlp(x)
-    return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, eps))
+    return linear(add_rms_norm(delta, residual, model.norm.weight, eps), model.lm_head_weight, None)

@@ -62,16 +62,29 @@ def _gemv_kernel(
     )
 
 
+def default_tile(rows: int, out_features: int, device: torch.device) -> tuple[int, int, int]:
+    """The widest output strip that still gives every processor two programs; as many columns a step as keep
+    rows x strip x columns at 8K fp32 values (registers)."""
+    programs = 2 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1)
+    block_n = next((n for n in (64, 32, 16) if triton.cdiv(out_features, n) >= programs), 8)
+    block_k = max(64, min(512, 8192 // (triton.next_power_of_2(rows) * block_n)))
+    return block_n, block_k, 4
+
+
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: tuple[int, int, int] = (16, 256, 4)
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for contiguous x `[rows <= MAX_ROWS, in]` and weight `[out, in]`."""
+    """`F.linear(x, weight, bias)` for contiguous x `[rows <= MAX_ROWS, in]` and weight `[out, in]`;
+    `tile` = (BLOCK_N, BLOCK_K, num_warps), default `default_tile`."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if rows > MAX_ROWS or not x.is_contiguous() or not weight.is_contiguous():
         raise ValueError(f"gemv takes contiguous x of at most {MAX_ROWS} rows and a contiguous weight")
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = tile
+    block_n, block_k, warps = tile or default_tile(rows, out_features, x.device)
     _gemv_kernel[(triton.cdiv(out_features, block_n),)](
         x,
         weight,
