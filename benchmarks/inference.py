@@ -17,8 +17,7 @@ then decodes together. Per run:
   head) and each sequence's K/V at the mean decode context `prompt_len + gen_len / 2`.
 
 Engine variants: the module-by-module decode step (`torch`) eager and under CUDA graphs (one per batch
-bucket), the Triton decode kernels (`triton`, the default on CUDA; `triton+cublas`: with cuBLAS instead of the
-Triton GEMV for the projections) under CUDA graphs, and with `--compile`
+bucket), the Triton decode kernels (`triton`, the default on CUDA) under CUDA graphs, and with `--compile`
 the module step compiled (dynamic shapes) under CUDA graphs. The table comes last.
 """
 
@@ -160,7 +159,6 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     variants = [("torch eager", False, False, "torch")]
     if device.type == "cuda":
         variants += [("torch cuda graphs", True, False, "torch"), ("triton cuda graphs", True, False, "triton")]
-        variants += [("triton+cublas cuda graphs", True, False, "triton-cublas")]
         variants += [("torch cuda graphs + compile", True, True, "torch")] if args.compile else []
     for label, graphs, compile, kernels in variants:
         config = InferenceConfig(
@@ -172,8 +170,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
             cuda_graphs=graphs,
             cuda_graph_batch_sizes=batches,
             compile=compile,
-            decode_kernels=kernels.removesuffix("-cublas"),
-            decode_gemv=not kernels.endswith("-cublas"),
+            decode_kernels=kernels,
         )
         engine = Engine(model, config).start()
         try:

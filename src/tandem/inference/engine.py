@@ -14,7 +14,6 @@ and they continue (their cached keys and values stay; every token records the ve
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
@@ -143,7 +142,7 @@ class Engine:
 
     def _decoder(self) -> EagerDecoder | GraphedDecoder:
         step = self._decode_step()
-        compiled = step is not decode_step and not isinstance(step, functools.partial)
+        compiled = step is not decode_step and step is not fused_decode_step
         if self.config.cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-self.max_model_len // self.config.block_size)
             # Compiled, a batch of 1 would be a second compilation (size 1 is always specialised); a padded
@@ -166,8 +165,8 @@ class Engine:
                 raise ValueError("inference.decode_kernels = triton needs CUDA (or TRITON_INTERPRET=1, for tests)")
             if self.config.compile:
                 logger.info("decode uses the Triton kernels; inference.compile applies to decode_kernels = torch only")
-            logger.info("decode steps run on the Triton decode kernels (GEMV: %s)", self.config.decode_gemv)
-            return functools.partial(fused_decode_step, gemv=self.config.decode_gemv)
+            logger.info("decode steps run on the Triton decode kernels")
+            return fused_decode_step
         return torch.compile(decode_step, dynamic=True) if self.config.compile else decode_step
 
     # --- the public interface (any thread) ---

@@ -1,7 +1,7 @@
 """The decode step on Triton kernels (`tandem.kernels.decode`): the same weights and cache, far fewer kernels.
 
 `decode.decode_step` runs the model module by module (~61 kernels a layer); this runs the same computation
-as ~9 kernels a layer, over the model's own parameters, and reads K/V in place through the block table. It
+as ~12 kernels a layer, over the model's own parameters, and reads K/V in place through the block table. It
 takes the same `[N, 2 + W]` inputs, so it is captured into the same per-bucket CUDA graphs. Dense layers
 use the fused SiLU kernel; MoE layers call their module (router and experts), unchanged.
 """
@@ -29,16 +29,9 @@ def fused_decode_supported(model: CausalLM) -> str | None:
     return None
 
 
-def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, gemv: bool = True) -> torch.Tensor:
-    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row.
-
-    `gemv`: project through the Triton GEMV (`tandem.kernels.gemv`) at batches it takes, else cuBLAS.
-    """
+def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
+    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row."""
     from tandem.kernels.decode import add_rms_norm, paged_decode_attention, qk_norm_rope_store, silu_mul
-    from tandem.kernels.gemv import MAX_ROWS
-    from tandem.kernels.gemv import gemv as triton_gemv
-
-    linear = triton_gemv if gemv and inputs.shape[0] <= MAX_ROWS else F.linear
 
     tokens, lengths, tables = inputs[:, 0], inputs[:, 1].contiguous(), inputs[:, 2:]
     size = cache.block_size
@@ -50,17 +43,17 @@ def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, gem
     for index, layer in enumerate(model.layers):
         attn = layer.self_attn
         x = add_rms_norm(delta, residual, layer.input_layernorm.weight, eps)
-        qkv = linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
         q_norm = None if attn.q_norm is None else attn.q_norm.weight
         k_norm = None if attn.k_norm is None else attn.k_norm.weight
         q = qk_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, cache.k[index], cache.v[index], write_index)
         out = paged_decode_attention(q, cache.k[index], cache.v[index], tables, lengths, attn.scale)
-        delta = linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        delta = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
         x = add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
-            hidden = silu_mul(linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))
-            delta = linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
+            hidden = silu_mul(F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))
+            delta = F.linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
         else:
             delta = mlp(x)
-    return linear(add_rms_norm(delta, residual, model.norm.weight, eps), model.lm_head_weight, None)
+    return F.linear(add_rms_norm(delta, residual, model.norm.weight, eps), model.lm_head_weight, None)
