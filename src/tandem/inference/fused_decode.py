@@ -56,4 +56,4 @@ def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor) -> 
             delta = F.linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
         else:
             delta = mlp(x)
-    return F.linear(add_rms_norm(delta, residual, model.norm.weight, eps), model.lm_head_weight, None)
+    return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, eps))
