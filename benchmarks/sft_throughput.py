@@ -28,9 +28,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 
 from bench_shapes import SHAPES
+from gpu_kernels import by_kind, kernel_times
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_FLOPS = 989e12
@@ -61,7 +63,7 @@ class Result:
     flops_per_token: float = 0.0  # as this trainer counts them
     seconds: float = 0.0
     error: str = ""
-    top_kernels: list[tuple[str, float]] = field(default_factory=list)
+    kernel_us_per_step: dict[str, float] = field(default_factory=dict)  # profile runs: GPU time by kernel
 
 
 def _env() -> dict[str, str]:
@@ -107,8 +109,9 @@ def run_tandem(run: Run, work: Path, warmup: int, timeout: float) -> Result:
         "--max-steps", str(run.steps), "--speed.no-save-final", "--output-dir", str(work), "--run-name", run.name,
         "--log.level", "warning", *(["--speed.moe-balanced-routing"] if shape.moe else []), *run.flags,
     ]  # fmt: skip
+    trace = work / f"{run.name}.trace.json"
     if run.profile:
-        command = [sys.executable, str(ROOT / "benchmarks" / "profile_sft.py"), str(warmup), *command[4:]]
+        command = [sys.executable, str(ROOT / "benchmarks" / "profile_sft.py"), str(warmup), str(trace), *command[4:]]
     out = _execute(command, timeout)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
@@ -120,8 +123,12 @@ def run_tandem(run: Run, work: Path, warmup: int, timeout: float) -> Result:
     result = Result(run, tokens / seconds, max(r["peak_reserved_gib"] or 0.0 for r in records))
     result.flops_per_token = mfu * PEAK_FLOPS / records[-1]["tokens_per_s"]
     if run.profile:
-        result.top_kernels = [tuple(row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
+        result.kernel_us_per_step = _per_step(kernel_times(trace), run.steps - warmup)
     return result
+
+
+def _per_step(times: dict[str, float], steps: int) -> dict[str, float]:
+    return {name: us / steps for name, us in times.items()}
 
 
 def run_torchtitan(run: Run, work: Path, warmup: int, timeout: float) -> Result:
@@ -137,6 +144,11 @@ def run_torchtitan(run: Run, work: Path, warmup: int, timeout: float) -> Result:
         "--compile.components", "model,loss", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
         "--job.dump_folder", str(work / run.name), *(["--debug.moe_force_load_balance"] if shape.moe else []),
     ]  # fmt: skip
+    if run.profile:  # torchtitan's own profiler: the last step only (its schedule: wait, 1 warm-up, 1 active)
+        command += [
+            "--profiling.enable_profiling", "--profiling.profile_freq", str(run.steps),
+            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
+        ]  # fmt: skip
     out = _execute(command, timeout)
     log = out.stdout + out.stderr
     (work / f"{run.name}.log").write_text(log)
@@ -151,6 +163,9 @@ def run_torchtitan(run: Run, work: Path, warmup: int, timeout: float) -> Result:
     result = Result(run, tokens / sum(run.batch * run.seq_len / r["tps"] for r in records))
     result.peak_reserved_gib = max(r["mem"] for r in records)
     result.flops_per_token = records[-1]["mfu"] / 100 * PEAK_FLOPS / records[-1]["tps"]
+    if run.profile:
+        (trace,) = (work / run.name).glob("**/rank0_trace.json")
+        result.kernel_us_per_step = _per_step(kernel_times(trace), 1)
     return result
 
 
@@ -169,7 +184,9 @@ def plan(smoke: bool) -> list[Run]:
         Run("torchtitan-moe", "torchtitan", *moe, 12),
         Run("tandem-moe", "tandem", *moe, 12),
         Run("profile-tandem-dense", "tandem", *dense, 6, profile=True),
+        Run("profile-torchtitan-dense", "torchtitan", *dense, 6, profile=True),
         Run("profile-tandem-moe", "tandem", *moe, 6, profile=True),
+        Run("profile-torchtitan-moe", "torchtitan", *moe, 6, profile=True),
     ]
     ablations = [
         ("dense", "-fused-loss", ["--speed.no-fused-loss"]),
@@ -177,6 +194,8 @@ def plan(smoke: bool) -> list[Run]:
         ("dense", "-cudnn-first", ["--speed.sdpa-backends", "[]"]),
         ("dense", "-with-fsdp", ["--speed.fsdp-single-process"]),
         ("dense", "-triton-rope", ["--speed.rope-kernel", "triton"]),
+        ("dense", "-swiglu-kernel", ["--speed.swiglu-kernel", "torch"]),
+        ("dense", "-two-loss-chunks", ["--loss-chunk-size", "8192"]),
         ("dense", "-compile", ["--no-compile"]),
         ("moe", "-with-fsdp", ["--speed.fsdp-single-process"]),
         ("moe", "-fused-loss", ["--speed.no-fused-loss"]),
@@ -190,7 +209,8 @@ def plan(smoke: bool) -> list[Run]:
 
 def table(results: list[Result]) -> str:
     """One line per run; ratios against torchtitan on the same shape, MFU under both parameter counts."""
-    titan = {r.run.shape: r for r in results if r.run.trainer == "torchtitan" and not r.error}
+    measured = [r for r in results if not r.run.profile]
+    titan = {r.run.shape: r for r in measured if r.run.trainer == "torchtitan" and not r.error}
     lines = [f"{'run':30} {'tok/s':>9} {'MFU tt':>7} {'MFU td':>7} {'peak GiB':>9} {'vs titan':>9}  flags"]
     for r in results:
         if r.error:
@@ -199,7 +219,7 @@ def table(results: list[Result]) -> str:
         if r.run.profile:
             continue
         base = titan.get(r.run.shape)
-        ours = [x for x in results if x.run.shape == r.run.shape and x.run.trainer == "tandem" and not x.error]
+        ours = [x for x in measured if x.run.shape == r.run.shape and x.run.trainer == "tandem" and not x.error]
         counts = {
             "torchtitan": base.flops_per_token if base else None,
             "tandem": ours[0].flops_per_token if ours else None,
@@ -210,11 +230,31 @@ def table(results: list[Result]) -> str:
             f"{r.run.name:30} {r.tokens_per_s:9,.0f} {mfu['torchtitan']:>7} {mfu['tandem']:>7} "
             f"{r.peak_reserved_gib:9.1f} {ratio}  {' '.join(r.run.flags)}"
         )
-    for r in results:
-        if r.run.profile and r.top_kernels:
-            lines.append(f"\ntop GPU kernels, {r.run.name} (share of GPU time):")
-            lines.extend(f"  {share:5.1f}%  {name[:110]}" for name, share in r.top_kernels)
+    profiles = [r for r in results if r.run.profile and r.kernel_us_per_step]
+    for shape in dict.fromkeys(r.run.shape for r in profiles):
+        lines += ["", *profile_table([r for r in profiles if r.run.shape == shape])]
     return "\n".join(lines)
+
+
+def profile_table(profiles: list[Result], top: int = 12) -> list[str]:
+    """GPU ms per step by kind of kernel, one column per profile run of a shape; then each run's top kernels."""
+    kinds = [by_kind(r.kernel_us_per_step) for r in profiles]
+    names = sorted(set().union(*kinds), key=lambda k: -kinds[0][k])
+    lines = [
+        f"GPU ms per step, {profiles[0].run.shape}:",
+        f"{'kind':28}" + "".join(f"{r.run.name:>26}" for r in profiles),
+    ]
+    for name in [*names, "total"]:
+        cells = [sum(k.values()) if name == "total" else k[name] for k in kinds]
+        lines.append(f"{name:28}" + "".join(f"{us / 1e3:26.1f}" for us in cells))
+    walls = [1e3 * r.run.batch * r.run.seq_len / r.tokens_per_s for r in profiles]
+    lines.append(f"{'step wall time (profiled)':28}" + "".join(f"{ms:26.1f}" for ms in walls))
+    for r in profiles:
+        total = sum(r.kernel_us_per_step.values())
+        lines.append(f"top GPU kernels, {r.run.name} (ms per step, share of GPU time):")
+        ranked = sorted(r.kernel_us_per_step.items(), key=lambda item: -item[1])[:top]
+        lines.extend(f"  {us / 1e3:7.1f} {100 * us / total:5.1f}%  {name[:100]}" for name, us in ranked)
+    return lines
 
 
 def main() -> None:
@@ -223,12 +263,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the measurement")
     parser.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
     parser.add_argument("--out", type=Path, help="write every result here as JSON")
-    parser.add_argument("--runs", nargs="+", default=None, help="only the runs whose names start with one of these")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=None,
+        help="only the runs whose names match one of these shell-style patterns, e.g. tandem-dense 'torchtitan-*'",
+    )
     args = parser.parse_args()
     warmup = 1 if args.smoke else args.warmup
     start, results = time.monotonic(), []
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [r for r in plan(args.smoke) if args.runs is None or r.name.startswith(tuple(args.runs))]
+        runs = [r for r in plan(args.smoke) if args.runs is None or any(fnmatch(r.name, p) for p in args.runs)]
+        if not runs:
+            parser.error(f"no run matches {args.runs}; the runs: {', '.join(r.name for r in plan(args.smoke))}")
         for run in runs:
             left = args.budget_s - (time.monotonic() - start)
             if left < 30:

@@ -55,3 +55,24 @@ def test_model_forward_nll_sum(model_dir):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(fused[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+)
+def test_autocast_fp32_weights(device):
+    """The one-process trainer's case: fp32 weights under autocast. Matmuls in bf16, gradients fp32 and close to
+    the fp32 reference; on CUDA the weight gradient accumulates in fp32 inside the GEMM (`out_dtype`)."""
+    h, w, targets = _inputs(tokens=300, vocab=512, hidden=64)
+    h, w, targets = (t.detach().to(device) for t in (h, w, targets))
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        ours = fused_nll_sum(h, w, targets, chunk_size=128)
+    gh, gw = torch.autograd.grad(ours / 300, (h, w))
+    assert ours.dtype == gh.dtype == gw.dtype == torch.float32
+    ref = F.cross_entropy(h @ w.T, targets, reduction="sum", ignore_index=IGNORE_INDEX)
+    rh, rw = torch.autograd.grad(ref / 300, (h, w))
+    torch.testing.assert_close(ours, ref, atol=0, rtol=2e-2)
+    torch.testing.assert_close(gh, rh, atol=2e-3, rtol=5e-2)
+    torch.testing.assert_close(gw, rw, atol=2e-3, rtol=5e-2)

@@ -42,6 +42,8 @@ class SftSpeedConfig(Section):
     """SDPA kernels to try, in this order (empty: PyTorch's own order), e.g. ["cudnn", "flash"] on Hopper."""
     rope_kernel: Literal["torch", "triton"] = "torch"
     """RoPE as torch ops, or as one Triton kernel (GPU; bit for bit the same result)."""
+    swiglu_kernel: Literal["torch", "triton"] = "torch"
+    """Dense MLPs' silu(gate) * up as torch ops, or as one Triton kernel forward and one backward (GPU)."""
     moe_balanced_routing: bool = False
     """Benchmarks only: route tokens round-robin so every expert gets the same count (not a real router)."""
     sync_debug: Literal["off", "warn", "error"] = "off"

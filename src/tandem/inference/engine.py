@@ -15,7 +15,6 @@ and they continue (their cached keys and values stay; every token records the ve
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -32,7 +31,7 @@ import torch
 from tandem.config.inference import InferenceConfig
 from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.decode import EagerDecoder, StepFunction, decode_step
-from tandem.inference.fused_decode import fused_decode_step, fused_decode_supported, triton_available
+from tandem.inference.fused_decode import fused_decode_step, fused_decode_supported
 from tandem.inference.kv_budget import block_bytes, kv_cache_blocks
 from tandem.inference.masks import encode_mask
 from tandem.inference.outputs import RequestUpdate, SampleRecord, SampleUpdate
@@ -40,6 +39,7 @@ from tandem.inference.protocol import FinishReason, SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.scheduler import BlockAllocator, Request, Scheduler, Sequence
 from tandem.inference.weights import copy_weights
+from tandem.kernels import triton_available, triton_unavailable_reason
 from tandem.models import CausalLM, KVCache
 
 logger = logging.getLogger(__name__)
@@ -159,10 +159,9 @@ class Engine:
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" and triton_available() and unsupported is None else "torch"
         if kernels == "triton":
-            if unsupported is not None or not triton_available():
-                raise ValueError(f"inference.decode_kernels = triton: {unsupported or 'the triton package is missing'}")
-            if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError("inference.decode_kernels = triton needs CUDA (or TRITON_INTERPRET=1, for tests)")
+            unsupported = unsupported or triton_unavailable_reason(self.device.type)
+            if unsupported is not None:
+                raise ValueError(f"inference.decode_kernels = triton: {unsupported}")
             if self.config.compile:
                 logger.info("decode uses the Triton kernels; inference.compile applies to decode_kernels = torch only")
             logger.info("decode steps run on the Triton decode kernels")

@@ -4,7 +4,7 @@ Decoding a small model at small batch is bound by how many kernels a step launch
 op-by-op step is ~61 kernels per layer (an RMSNorm alone is eight: casts, pow, mean, add, rsqrt, muls).
 These kernels cut a layer to: residual add + RMSNorm, the QKV GEMV, qk-norm + RoPE + KV-cache write, paged
 attention reading K/V in place through the block table, the O GEMV, residual add + RMSNorm, the gate/up GEMV,
-SiLU * up, the down GEMV.
+SiLU * up (`kernels.swiglu`), the down GEMV.
 
 Numerics follow the op-by-op model (`tandem.models`): fp32 math, rounded to the activation dtype where
 eager PyTorch rounds (after the residual add, the normalised row, each RoPE product and sum, SiLU and the
@@ -258,9 +258,11 @@ def paged_decode_attention(
     lengths: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    min_rows: int = 1,
 ) -> torch.Tensor:
     """Attention of one new query per sequence, q `[N, Hq, D]`, over its `lengths[i] + 1` cached keys, read in
-    place through the block table `tables` `[N, W]` (no gather); `[N, Hq * D]`.
+    place through the block table `tables` `[N, W]` (no gather); `[max(N, min_rows), Hq * D]`, where rows past
+    N are padding for the GEMM that follows (never written; their products are to be dropped).
 
     Query heads sharing a KV head are one program's rows, so each K/V row is read once per sequence. When
     sequences x KV heads would leave processors idle (small batches), the key range is split over `splits`
@@ -275,7 +277,7 @@ def paged_decode_attention(
         splits = -(-2 * _processors(q.device) // (tokens * kv_heads))
     chunk = -(-capacity // max(1, min(splits, -(-capacity // keys))) // keys) * keys
     splits = -(-capacity // chunk)
-    out = torch.empty(tokens, q_heads * dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(max(tokens, min_rows), q_heads * dim, dtype=q.dtype, device=q.device)
     partial = torch.empty(tokens * q_heads * splits * dim if splits > 1 else 0, dtype=torch.float32, device=q.device)
     stats = torch.empty(tokens * q_heads * splits * 2 if splits > 1 else 0, dtype=torch.float32, device=q.device)
     _paged_decode_attention_kernel[(tokens, kv_heads, splits)](
@@ -303,28 +305,4 @@ def paged_decode_attention(
         _combine_splits_kernel[(tokens * q_heads,)](
             partial, stats, out, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim
         )
-    return out
-
-
-@triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, intermediate, BLOCK: tl.constexpr, ROUND: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < intermediate
-    dtype = out_ptr.dtype.element_ty
-    gate = tl.load(gate_up_ptr + row * 2 * intermediate + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * intermediate + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = _round(gate / (1.0 + tl.exp(-gate)), ROUND, dtype)
-    tl.store(out_ptr + row * intermediate + cols, (silu * up).to(dtype), mask=mask)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for `gate_up` `[N, 2 I]` (gate columns first, as `GatedMLP` lays them out); `[N, I]`."""
-    rows, width = gate_up.shape
-    intermediate = width // 2
-    out = torch.empty(rows, intermediate, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(intermediate))
-    _silu_mul_kernel[(rows, triton.cdiv(intermediate, block))](
-        gate_up, out, intermediate, BLOCK=block, ROUND=gate_up.dtype != torch.float32, enable_fp_fusion=False
-    )
     return out

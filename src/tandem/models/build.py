@@ -13,7 +13,14 @@ from .checkpoint import load_weights
 from .config import ModelArgs, read_hf_config
 from .registry import ARCHITECTURES, get_architecture
 
-RUNTIME_OPTIONS = ("attn_backend", "moe_backend", "freeze_router", "moe_balanced_routing", "rope_backend")
+RUNTIME_OPTIONS = (
+    "attn_backend",
+    "moe_backend",
+    "freeze_router",
+    "moe_balanced_routing",
+    "rope_backend",
+    "swiglu_backend",
+)
 
 ModelConfig = ModelArgs | Mapping[str, Any] | str | Path
 
@@ -23,7 +30,8 @@ def model_args(config: ModelConfig, **runtime: Any) -> ModelArgs:
 
     `runtime` sets options HF configs do not have: attn_backend ("auto" | "sdpa" | "flex"), moe_backend
     (a name from `MOE_BACKENDS`, or one per layer), freeze_router, moe_balanced_routing (benchmarks: every
-    expert gets the same number of tokens), rope_backend (a name from `ROPE_BACKENDS`).
+    expert gets the same number of tokens), rope_backend (a name from `ROPE_BACKENDS`), swiglu_backend (a name
+    from `SWIGLU_BACKENDS`).
     """
     unknown = set(runtime) - set(RUNTIME_OPTIONS)
     if unknown:

@@ -81,6 +81,7 @@ class ModelArgs:
     freeze_router: bool = False
     moe_balanced_routing: bool = False  # benchmarks: round-robin experts, every expert gets the same tokens
     rope_backend: str = "torch"  # a name in layers.rope.ROPE_BACKENDS
+    swiglu_backend: str = "torch"  # a name in layers.mlp.SWIGLU_BACKENDS (dense MLPs)
     hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from .layers.kv_cache import CacheBatch, KVCache
 from .layers.mlp import GatedMLP
 from .layers.moe import Experts, MoE
 from .layers.norm import RMSNorm
+from .layers.precision import autocast_dtype
 from .layers.rope import RotaryEmbedding
 from .logprobs import DEFAULT_CHUNK_SIZE, TokenLogprobs, token_logprobs
 from .nll_sum import fused_nll_sum
@@ -42,7 +43,9 @@ class DecoderBlock(nn.Module):
                 balanced_routing=args.moe_balanced_routing,
             )
         else:
-            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+            self.mlp = GatedMLP(
+                args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.swiglu_backend
+            )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
@@ -84,7 +87,8 @@ class CausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
         """Final (normed) hidden states `[B, S, hidden]` for token ids `[B, S]` at integer `positions` `[B, S]`."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        # q and k come out of the matmuls in autocast's dtype; rotate them in it, as a bf16 model does
+        cos, sin = self.rotary(positions, autocast_dtype(x.device.type) or x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)

@@ -7,6 +7,10 @@ the forward, and both gradient matmuls run right away in the model dtype; the ba
 The LM head then costs the three matmuls any training step needs, and at most one chunk of logits and
 its gradient exist at a time. Logits are computed as `token_logprobs` does (matmul in the model dtype,
 softmax in fp32); on CUDA the per-chunk softmax and gradient are one compiled kernel.
+
+Under autocast (fp32 weights, bf16 matmuls) the weight is cast once for every chunk, not per matmul, and on
+CUDA the weight gradient's GEMMs accumulate straight into the fp32 sum (`out_dtype`), with no bf16 product
+and no separate add.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import functools
 
 import torch
 
+from .layers.precision import autocast_dtype
 from .logprobs import DEFAULT_CHUNK_SIZE, IGNORE_INDEX
 
 
@@ -35,6 +40,16 @@ def _compiled_nll_and_grad():
     return torch.compile(_nll_and_grad, dynamic=False)
 
 
+def _add_product(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`total + a @ b` in fp32 (`total` None: zero), `a`, `b` in the matmul dtype."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):  # cuBLAS writes (and adds) fp32 directly
+        if total is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(total, a, b, out_dtype=torch.float32)
+    product = (a @ b).float()
+    return product if total is None else total + product
+
+
 class _FusedNllSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
@@ -43,16 +58,20 @@ class _FusedNllSum(torch.autograd.Function):
         step = _compiled_nll_and_grad() if hidden.is_cuda else _nll_and_grad
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_weight = None
         total = hidden.new_zeros((), dtype=torch.float32)
-        for s in range(0, hidden.shape[0], chunk_size):
-            e = min(s + chunk_size, hidden.shape[0])
-            nll, grad_logits = step(hidden[s:e] @ weight.T, safe_targets[s:e], valid[s:e])
-            total += nll.sum()
-            if grad_hidden is not None:
-                grad_hidden[s:e] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += grad_logits.T @ hidden[s:e]  # each chunk in the model dtype, summed in fp32
+        dtype = autocast_dtype(hidden.device.type) or torch.promote_types(hidden.dtype, weight.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):  # casts are explicit: the weight once, not per chunk
+            matrix = weight.to(dtype)
+            for s in range(0, hidden.shape[0], chunk_size):
+                e = min(s + chunk_size, hidden.shape[0])
+                rows = hidden[s:e].to(dtype)
+                nll, grad_logits = step(rows @ matrix.T, safe_targets[s:e], valid[s:e])
+                total += nll.sum()
+                if grad_hidden is not None:
+                    grad_hidden[s:e] = grad_logits @ matrix
+                if need_weight:
+                    grad_weight = _add_product(grad_weight, grad_logits.T, rows)  # summed over chunks in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total

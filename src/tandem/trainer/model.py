@@ -13,7 +13,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
+from tandem.kernels import triton_unavailable_reason
 from tandem.models import ModelArgs, build_model, load_model, save_model
+from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
 from tandem.trainer.expert_parallel import apply_expert_parallel
 from tandem.trainer.metrics import flops_per_token
@@ -41,13 +43,22 @@ def runtime_options(config: ModelConfig, freeze_router_default: bool) -> dict:
     }
 
 
-def rope_backend(name: str) -> str:
-    """`name` as the models' `rope_backend`; the Triton kernel (which models may not import) is registered here."""
-    if name == "triton" and name not in ROPE_BACKENDS:
+def kernel_options(device: torch.device, rope: str = "torch", swiglu: str = "torch") -> dict[str, str]:
+    """The models' `rope_backend` and `swiglu_backend` runtime options; the Triton kernels, which models may not
+    import, are registered here."""
+    chosen = [f"speed.{name}_kernel" for name, kernel in (("rope", rope), ("swiglu", swiglu)) if kernel == "triton"]
+    reason = triton_unavailable_reason(device.type) if chosen else None
+    if reason is not None:
+        raise ConfigError(f"{' and '.join(chosen)} = triton: {reason}")
+    if rope == "triton" and rope not in ROPE_BACKENDS:
         from tandem.kernels.rope import apply_rope_triton
 
-        ROPE_BACKENDS[name] = apply_rope_triton
-    return name
+        ROPE_BACKENDS[rope] = apply_rope_triton
+    if swiglu == "triton" and swiglu not in SWIGLU_BACKENDS:
+        from tandem.kernels.swiglu import swiglu as swiglu_triton
+
+        SWIGLU_BACKENDS[swiglu] = swiglu_triton
+    return {"rope_backend": rope, "swiglu_backend": swiglu}
 
 
 def active_params(model: torch.nn.Module, args: ModelArgs) -> int:

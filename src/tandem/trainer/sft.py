@@ -24,7 +24,7 @@ from tandem.run import atomic_write_text, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_documents, stack
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
-from tandem.trainer.model import build_training_model, export_hf, rope_backend
+from tandem.trainer.model import build_training_model, export_hf, kernel_options
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import World, clip_grad_norm_, init_distributed
 from tandem.trainer.schedule import build_optimizer
@@ -112,8 +112,9 @@ def _sync_check(mode: str, device: torch.device, active: bool):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _model_runtime(speed: SftSpeedConfig) -> dict:
-    return {"rope_backend": rope_backend(speed.rope_kernel), "moe_balanced_routing": speed.moe_balanced_routing}
+def _model_runtime(speed: SftSpeedConfig, device: torch.device) -> dict:
+    kernels = kernel_options(device, rope=speed.rope_kernel, swiglu=speed.swiglu_kernel)
+    return {**kernels, "moe_balanced_routing": speed.moe_balanced_routing}
 
 
 def train(config: SftConfig) -> int:
@@ -125,7 +126,9 @@ def train(config: SftConfig) -> int:
     torch.manual_seed(config.seed)
     micro_steps = _check_split(config, world)
     speed = config.speed
-    model, info = build_training_model(config, world, shard=speed.fsdp_single_process, **_model_runtime(speed))
+    model, info = build_training_model(
+        config, world, shard=speed.fsdp_single_process, **_model_runtime(speed, world.device)
+    )
     steps = build_steps(config, info.vocab_size)
     optimizer, scheduler = build_optimizer(model, config, fused=speed.fused_optimizer)
     ckpt_root = config.run_dir / "checkpoints"

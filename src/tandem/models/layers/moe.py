@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .precision import autocast_dtype
+
 logger = logging.getLogger(__name__)
 
 MoEBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,11 +67,8 @@ def experts_loop(
 
 def _in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors in autocast's dtype when it is on: it casts neither `torch._grouped_mm` nor `index_add_`."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) for t in tensors)
+    dtype = autocast_dtype(tensors[0].device.type)
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 
 
 def _grouped_mm_unsupported(a: torch.Tensor, b: torch.Tensor) -> str | None:

@@ -1,4 +1,8 @@
-"""RMSNorm computed in fp32 and cast back, exactly as Hugging Face does, so logits match bit for bit in fp32."""
+"""RMSNorm computed in fp32 and cast back, exactly as Hugging Face does, so logits match bit for bit in fp32.
+
+The output keeps the input's dtype: under autocast (fp32 weights), bf16 q/k stay bf16 through qk-norm as in a
+bf16 model, instead of being promoted to fp32 by the weight.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight * x.to(dtype)).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
