@@ -76,3 +76,12 @@ def test_autocast_fp32_weights(device):
     torch.testing.assert_close(ours, ref, atol=0, rtol=2e-2)
     torch.testing.assert_close(gh, rh, atol=2e-3, rtol=5e-2)
     torch.testing.assert_close(gw, rw, atol=2e-3, rtol=5e-2)
+
+
+def test_backward_runs_once():
+    """The saved gradients are scaled in place (no second [V, H] buffer), so a retained graph cannot replay."""
+    h, w, targets = _inputs()
+    loss = fused_nll_sum(h, w, targets, chunk_size=8)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()

@@ -73,16 +73,21 @@ class _FusedNllSum(torch.autograd.Function):
                 if need_weight:
                     grad_weight = _add_product(grad_weight, grad_logits.T, rows)  # summed over chunks in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.consumed = weight.dtype, False
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
+        # Scaled in place: a second [V, H] fp32 buffer at the start of the backward, while every activation is
+        # still alive, would raise the step's peak memory by its size. So this backward runs once.
+        if ctx.consumed:
+            raise RuntimeError("fused_nll_sum's backward runs once (it scales its saved gradients in place)")
+        ctx.consumed = True
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+            grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+            grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None
 
 
