@@ -13,12 +13,16 @@ from pathlib import Path
 
 DEVICE_EVENTS = {"kernel", "gpu_memcpy", "gpu_memset"}
 KINDS = [  # first match wins
-    ("attention backward", r"(flash|fmha|sdpa|attn).*(bwd|bprop|backward)|(bwd|bprop|backward).*(flash|fmha|sdpa)"),
+    (
+        "attention backward",
+        r"(flash|fmha|sdpa|attn).*(bwd|bprop|backward)|(bwd|bprop|backward).*(flash|fmha|sdpa)|dot_do_o|convert_dq",
+    ),
     ("attention forward", r"flash|fmha|sdpa|attn"),
     ("GEMM", r"nvjet|gemm|cutlass|xmma|cublas|splitk"),
-    ("optimizer and grad norm", r"adam|multi_tensor|foreach|lpnorm|norm_kernel"),
-    ("copies and memsets", r"memcpy|memset|copy_kernel|cat_|chunk_cat|split_with_sizes"),
-    ("compiled (Triton)", r"^triton_"),
+    ("optimizer and grad norm", r"adam|multi_tensor|foreach|lpnorm"),
+    ("compiled by inductor", r"^triton_"),
+    ("tandem's Triton kernels", r"^_\w+_kernel$"),
+    ("copies, casts and memsets", r"memcpy|memset|copy_kernel|chunk_cat"),
 ]
 
 
