@@ -12,7 +12,6 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
@@ -21,7 +20,7 @@ from tandem.trainer import ckpt
 from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.model import build_training_model
 from tandem.trainer.monitor import Monitor
-from tandem.trainer.parallel import clip_grad_norm_, init_distributed
+from tandem.trainer.parallel import clip_grad_norm_, init_distributed, shutdown_distributed
 from tandem.trainer.publish import make_publisher
 from tandem.trainer.schedule import build_optimizer
 from tandem.transport.batches import read_batch, wait_for_batch
@@ -116,7 +115,8 @@ def train(config: TrainerConfig) -> int:
     finally:
         monitor.close()
         publisher.close()
-    dist.destroy_process_group()
+    del model, optimizer, scheduler, publisher
+    shutdown_distributed()
     return 0
 
 

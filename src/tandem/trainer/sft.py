@@ -15,7 +15,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from tandem.config import ConfigError, load_config, to_toml
@@ -26,7 +25,7 @@ from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_doc
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
 from tandem.trainer.model import build_training_model, export_hf, kernel_options
 from tandem.trainer.monitor import Monitor
-from tandem.trainer.parallel import World, clip_grad_norm_, init_distributed
+from tandem.trainer.parallel import World, clip_grad_norm_, init_distributed, shutdown_distributed
 from tandem.trainer.schedule import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -174,7 +173,8 @@ def train(config: SftConfig) -> int:
         monitor.close()
     if world.is_main and speed.save_final:
         logger.info("done: %d steps; Hugging Face checkpoint in %s", config.max_steps, config.run_dir / "hf" / "final")
-    dist.destroy_process_group()
+    del model, optimizer, scheduler
+    shutdown_distributed()
     return 0
 
 
