@@ -5,7 +5,8 @@ the HBM roofline of the same step.
     python benchmarks/decode_profile.py --models qwen3-0.6b --batches 1 --steps triton
 
 One engine decode step (256-token key capacity, random bf16 weights), module by module (`decode.decode_step`,
-`torch`) and on the Triton decode kernels (`fused_decode.fused_decode_step`, `triton`), is profiled eagerly
+`torch`) and on the Triton decode kernels (`fused_decode.fused_decode_step`, `triton`; `triton-gemv`: at
+batch 1 on tandem's fused GEMVs instead of cuBLAS), is profiled eagerly
 with torch.profiler (kernel count and the sum of the kernels' own durations: the GPU work, without launch gaps),
 then captured as a CUDA graph and replayed (wall time per replay). If the replay takes about the summed kernel
 time, the step is bound by its kernels; the roofline is the weights read once over the copy bandwidth measured
@@ -15,6 +16,7 @@ here. The top kernels of the step come after the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections import Counter
@@ -30,7 +32,11 @@ from tandem.inference.fused_decode import fused_decode_step
 from tandem.models import KVCache, build_model
 
 BLOCK_SIZE, KEY_CAPACITY = 16, 256
-STEPS: dict[str, StepFunction] = {"torch": decode_step, "triton": fused_decode_step}
+STEPS: dict[str, StepFunction] = {
+    "torch": decode_step,
+    "triton": fused_decode_step,
+    "triton-gemv": functools.partial(fused_decode_step, one_row_gemv=True),
+}
 
 
 def profile(name: str, batch: int, step: str, bandwidth: float) -> tuple[list[str], Counter]:

@@ -6,6 +6,8 @@ kernel is defined; the interpreter's bf16 is not the GPU's); on CUDA they run co
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,13 +45,15 @@ def _clone(cache: KVCache) -> KVCache:
     return copy
 
 
+@pytest.mark.parametrize("rows", [5, 1], ids=["batched", "one-row"])  # one row: the fused GEMVs (dense models)
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
-def test_fused_step_equals_the_module_step_fp32(arch, model_dir):
+def test_fused_step_equals_the_module_step_fp32(arch, rows, model_dir):
     model = load_model(model_dir(arch), dtype=torch.float32, device=DEVICE).eval()
-    cache, inputs = _random_step(model.args, rows=5, width=6, seed=1, dtype=torch.float32)
+    cache, inputs = _random_step(model.args, rows=rows, width=6, seed=1, dtype=torch.float32)
     reference = _clone(cache)
     with torch.no_grad():
-        got, want = fused_decode_step(model, cache, inputs), decode_step(model, reference, inputs)
+        got = fused_decode_step(model, cache, inputs, one_row_gemv=True)
+        want = decode_step(model, reference, inputs)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     for fused, plain in zip(cache.k + cache.v, reference.k + reference.v, strict=True):  # same rows written
         torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
@@ -99,3 +103,28 @@ def test_fused_step_bf16_and_under_cuda_graphs(model_dir, make_engine):
         s[0].token_ids for s in eager.generate(prompts, params)
     ]
     assert graphed.decoder.captured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and CUDA graphs need CUDA")
+def test_one_row_gemv_step_bf16_eager_and_replayed(model_dir):
+    """The batch-1 GEMV step (PDL launches on Hopper) against the module step, and its CUDA-graph replay
+    against its eager run: same logits, same cache writes."""
+    model = load_model(model_dir("qwen3"), dtype=torch.bfloat16, device="cuda").eval()
+    cache, inputs = _random_step(model.args, rows=1, width=5, seed=3, dtype=torch.bfloat16)
+    module_cache, replay_cache = _clone(cache), _clone(cache)
+    step = functools.partial(fused_decode_step, one_row_gemv=True)
+    with torch.no_grad():
+        eager, want = step(model, cache, inputs), decode_step(model, module_cache, inputs)
+        torch.testing.assert_close(eager.float(), want.float(), atol=0.05, rtol=0.02)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(model, _clone(cache), inputs)  # autotuning and compiling happen outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = step(model, replay_cache, inputs)
+        graph.replay()
+    torch.testing.assert_close(replayed, eager, atol=0, rtol=0)
+    for got, expected in zip(replay_cache.k + replay_cache.v, cache.k + cache.v, strict=True):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)

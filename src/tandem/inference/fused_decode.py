@@ -4,14 +4,21 @@
 as ~12 kernels a layer, over the model's own parameters, and reads K/V in place through the block table. It
 takes the same `[N, 2 + W]` inputs, so it is captured into the same per-bucket CUDA graphs. Dense layers
 use the fused SiLU kernel; MoE layers call their module (router and experts), unchanged.
+
+A step of one row (batch 1 of a dense model) runs its projections on tandem's GEMV (`kernels.gemv`), which
+takes the RMSNorm before a projection and the SwiGLU after it into the same kernel: 7 kernels a layer, each
+launched, on Hopper, as a programmatic dependent of the one before (its weights load while that one ends).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from tandem.models import CausalLM, KVCache
+from tandem.models import CausalLM, DecoderBlock, KVCache
+from tandem.models.layers.attention import Attention
 from tandem.models.layers.mlp import GatedMLP
 
 # cuBLAS picks a far slower kernel for a one-row product on some shapes (Qwen3-0.6B's o_proj, 1024 x 2048:
@@ -27,34 +34,87 @@ def fused_decode_supported(model: CausalLM) -> str | None:
     return None
 
 
-def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
-    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row."""
-    from tandem.kernels.decode import add_rms_norm, paged_decode_attention, qk_norm_rope_store
-    from tandem.kernels.swiglu import silu_mul
+@dataclass
+class _Step:
+    """What every layer of one decode step reads besides its own weights and cache."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write_index: torch.Tensor
+    tables: torch.Tensor
+    lengths: torch.Tensor
+    cache: KVCache
+    eps: float
+    pdl: bool
+
+
+def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, one_row_gemv: bool = False) -> torch.Tensor:
+    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row.
+
+    `one_row_gemv`: a one-row step of a dense model runs on the fused GEMVs (`kernels.gemv`), not cuBLAS."""
+    from tandem.kernels.decode import add_rms_norm
+    from tandem.kernels.gemv import pdl_supported
 
     tokens, lengths, tables = inputs[:, 0], inputs[:, 1].contiguous(), inputs[:, 2:]
     size = cache.block_size
     write_index = tables.gather(1, (lengths // size)[:, None])[:, 0] * size + lengths % size
     residual = model.embed_tokens(tokens)
     cos, sin = model.rotary(lengths, residual.dtype)
-    eps = model.args.rms_norm_eps
+    dense = all(isinstance(layer.mlp, GatedMLP) for layer in model.layers)
+    one_row = one_row_gemv and dense and tokens.shape[0] == 1
+    pdl = one_row and pdl_supported(residual.device)
+    step = _Step(cos, sin, write_index, tables, lengths, cache, model.args.rms_norm_eps, pdl)
+    layer_step = _one_row_layer if one_row else _layer
     delta = None
     for index, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        x = add_rms_norm(delta, residual, layer.input_layernorm.weight, eps)
-        qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        q_norm = None if attn.q_norm is None else attn.q_norm.weight
-        k_norm = None if attn.k_norm is None else attn.k_norm.weight
-        q = qk_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, cache.k[index], cache.v[index], write_index)
-        out = paged_decode_attention(
-            q, cache.k[index], cache.v[index], tables, lengths, attn.scale, min_rows=O_PROJ_MIN_ROWS
-        )
-        delta = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)[: tokens.shape[0]]
-        x = add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, eps)
-        mlp = layer.mlp
-        if isinstance(mlp, GatedMLP):
-            hidden = silu_mul(F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))
-            delta = F.linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
-        else:
-            delta = mlp(x)
-    return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, eps))
+        residual, delta = layer_step(layer, index, residual, delta, step)
+    return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, step.eps, pdl=pdl))
+
+
+def _attention(attn: Attention, index: int, qkv: torch.Tensor, step: _Step, rows: int) -> torch.Tensor:
+    """qk-norm + RoPE + layer `index`'s cache write, then paged attention: `[max(N, rows), Hq * D]`."""
+    from tandem.kernels.decode import paged_decode_attention, qk_norm_rope_store
+
+    k_cache, v_cache = step.cache.k[index], step.cache.v[index]
+    q_norm = None if attn.q_norm is None else attn.q_norm.weight
+    k_norm = None if attn.k_norm is None else attn.k_norm.weight
+    cos, sin, pdl = step.cos, step.sin, step.pdl
+    q = qk_norm_rope_store(qkv, q_norm, k_norm, step.eps, cos, sin, k_cache, v_cache, step.write_index, pdl=pdl)
+    return paged_decode_attention(q, k_cache, v_cache, step.tables, step.lengths, attn.scale, min_rows=rows, pdl=pdl)
+
+
+def _layer(
+    layer: DecoderBlock, index: int, residual: torch.Tensor, delta: torch.Tensor | None, step: _Step
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of N rows on cuBLAS's GEMMs: `residual += delta` in place; returns (residual, the layer's delta)."""
+    from tandem.kernels.decode import add_rms_norm
+    from tandem.kernels.swiglu import silu_mul
+
+    attn, mlp = layer.self_attn, layer.mlp
+    x = add_rms_norm(delta, residual, layer.input_layernorm.weight, step.eps)
+    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+    out = _attention(attn, index, qkv, step, O_PROJ_MIN_ROWS)
+    delta = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)[: residual.shape[0]]
+    x = add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, step.eps)
+    if isinstance(mlp, GatedMLP):
+        hidden = silu_mul(F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))
+        return residual, F.linear(hidden, mlp.down_proj.weight, mlp.down_proj.bias)
+    return residual, mlp(x)
+
+
+def _one_row_layer(
+    layer: DecoderBlock, index: int, residual: torch.Tensor, delta: torch.Tensor | None, step: _Step
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One dense layer of one row in 7 kernels: the norms fused into the GEMVs after them, SwiGLU into gate/up's."""
+    from tandem.kernels.gemv import gemv, norm_gemv
+
+    attn, mlp, eps, pdl = layer.self_attn, layer.mlp, step.eps, step.pdl
+    qkv_proj, up_proj = attn.qkv_proj, mlp.gate_up_proj
+    qkv, residual = norm_gemv(
+        residual, delta, layer.input_layernorm.weight, eps, qkv_proj.weight, qkv_proj.bias, pdl=pdl
+    )
+    out = _attention(attn, index, qkv, step, rows=1)
+    delta = gemv(out, attn.o_proj.weight, attn.o_proj.bias, pdl=pdl)
+    norm = layer.post_attention_layernorm.weight
+    hidden, residual = norm_gemv(residual, delta, norm, eps, up_proj.weight, up_proj.bias, swiglu=True, pdl=pdl)
+    return residual, gemv(hidden, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl)

@@ -21,13 +21,21 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.rounding import round_to
+
 
 @triton.jit
-def _round(value, ROUND: tl.constexpr, dtype: tl.constexpr):
-    """Round fp32 `value` to `dtype` (nearest even) and back, as an eager op in `dtype` would; fp32: as is."""
-    if ROUND:
-        value = value.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
-    return value
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Launched as a programmatic dependent (`pdl`): wait until the previous kernel has finished and its writes
+    are visible, then let the next kernel launch (it waits in turn). Without PDL, stream order does this."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def launch_flags(pdl: bool) -> dict[str, bool]:
+    """The `PDL` constexpr and, when set, the launch option that makes a kernel a programmatic dependent."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @triton.jit
@@ -41,22 +49,28 @@ def _add_rms_norm_kernel(
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = out_ptr.dtype.element_ty
     x = tl.load(residual_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        x = _round(x + tl.load(delta_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32), ROUND, dtype)
+        x = round_to(x + tl.load(delta_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32), ROUND, dtype)
         tl.store(residual_ptr + row * hidden + cols, x.to(dtype), mask=mask)
-    normed = _round(x * tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps), ROUND, dtype)
+    normed = round_to(x * tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps), ROUND, dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * hidden + cols, (weight * normed).to(dtype), mask=mask)
 
 
-def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`residual += delta` in place (when given), then RMSNorm(residual) as a new tensor; rows `[N, hidden]`."""
+def add_rms_norm(
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+) -> torch.Tensor:
+    """`residual += delta` in place (when given), then RMSNorm(residual) as a new tensor; rows `[N, hidden]`.
+
+    `pdl`, here and below: launch as a programmatic dependent of the previous kernel (`gemv.pdl_supported`)."""
     rows, hidden = residual.shape
     out = torch.empty_like(residual)
     _add_rms_norm_kernel[(rows,)](
@@ -70,6 +84,7 @@ def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: tor
         BLOCK=triton.next_power_of_2(hidden),
         ROUND=residual.dtype != torch.float32,
         enable_fp_fusion=False,
+        **launch_flags(pdl),
     )
     return out
 
@@ -91,7 +106,9 @@ def _qk_norm_rope_store_kernel(
     HALF: tl.constexpr,
     QK_NORM: tl.constexpr,
     ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token, head = tl.program_id(0), tl.program_id(1)  # heads: the q heads, then the k heads (v rides with k)
     dtype = q_out_ptr.dtype.element_ty
     dims = tl.arange(0, HALF)
@@ -103,15 +120,15 @@ def _qk_norm_rope_store_kernel(
         weight_lo = tl.where(is_q, tl.load(q_norm_ptr + dims), tl.load(k_norm_ptr + dims)).to(tl.float32)
         weight_hi = tl.where(is_q, tl.load(q_norm_ptr + HALF + dims), tl.load(k_norm_ptr + HALF + dims)).to(tl.float32)
         inv_rms = tl.math.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / (2 * HALF) + eps)
-        lo = _round(weight_lo * _round(lo * inv_rms, ROUND, dtype), ROUND, dtype)
-        hi = _round(weight_hi * _round(hi * inv_rms, ROUND, dtype), ROUND, dtype)
+        lo = round_to(weight_lo * round_to(lo * inv_rms, ROUND, dtype), ROUND, dtype)
+        hi = round_to(weight_hi * round_to(hi * inv_rms, ROUND, dtype), ROUND, dtype)
     cos_lo = tl.load(cos_ptr + token * 2 * HALF + dims).to(tl.float32)
     cos_hi = tl.load(cos_ptr + token * 2 * HALF + HALF + dims).to(tl.float32)
     sin_lo = tl.load(sin_ptr + token * 2 * HALF + dims).to(tl.float32)
     sin_hi = tl.load(sin_ptr + token * 2 * HALF + HALF + dims).to(tl.float32)
     # x * cos + rotate_half(x) * sin, with rotate_half(x) = (-hi, lo)
-    out_lo = _round(_round(lo * cos_lo, ROUND, dtype) + _round(-(hi * sin_lo), ROUND, dtype), ROUND, dtype)
-    out_hi = _round(_round(hi * cos_hi, ROUND, dtype) + _round(lo * sin_hi, ROUND, dtype), ROUND, dtype)
+    out_lo = round_to(round_to(lo * cos_lo, ROUND, dtype) + round_to(-(hi * sin_lo), ROUND, dtype), ROUND, dtype)
+    out_hi = round_to(round_to(hi * cos_hi, ROUND, dtype) + round_to(lo * sin_hi, ROUND, dtype), ROUND, dtype)
     if is_q:
         out = q_out_ptr + (token * num_q_heads + head) * 2 * HALF
         tl.store(out + dims, out_lo.to(dtype))
@@ -136,6 +153,7 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     write_index: torch.Tensor,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Split fused `qkv` `[N, (Hq + 2 Hkv) * D]`; qk-norm (optional) and rotate q and k by cos/sin `[N, D]`;
     write k and v to the cache rows `write_index` `[N]` (cache `[blocks, block_size, Hkv, D]`); return q
@@ -166,6 +184,7 @@ def qk_norm_rope_store(
         QK_NORM=qk_norm,
         ROUND=qkv.dtype != torch.float32,
         enable_fp_fusion=False,
+        **launch_flags(pdl),
     )
     return q
 
@@ -191,7 +210,9 @@ def _paged_decode_attention_kernel(
     KEYS: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
@@ -230,8 +251,10 @@ def _paged_decode_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    partial_ptr, stats_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr
-):
+    partial_ptr, stats_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous_kernel(PDL)
     head_row = tl.program_id(0)  # token * Hq + head
     splits = tl.arange(0, SPLITS_PAD)
     mask = splits < SPLITS
@@ -259,6 +282,7 @@ def paged_decode_attention(
     scale: float,
     splits: int | None = None,
     min_rows: int = 1,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one new query per sequence, q `[N, Hq, D]`, over its `lengths[i] + 1` cached keys, read in
     place through the block table `tables` `[N, W]` (no gather); `[max(N, min_rows), Hq * D]`, where rows past
@@ -300,9 +324,10 @@ def paged_decode_attention(
         KEYS=keys,
         SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **launch_flags(pdl),
     )
     if splits > 1:
         _combine_splits_kernel[(tokens * q_heads,)](
-            partial, stats, out, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim
+            partial, stats, out, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim, **launch_flags(pdl)
         )
     return out

@@ -17,14 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.rounding import round_to
+
 BLOCK = 1024
-
-
-@triton.jit
-def _round(value, ROUND: tl.constexpr, dtype: tl.constexpr):
-    if ROUND:
-        value = value.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
-    return value
 
 
 @triton.jit
@@ -38,10 +33,10 @@ def _swiglu_kernel(
     gate_ptr = gate_up_ptr + row * 2 * intermediate + cols
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + intermediate, mask=mask, other=0.0).to(tl.float32)
-    silu = _round(gate / (1.0 + tl.exp(-gate)), ROUND, dtype)  # as torch evaluates F.silu
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), ROUND, dtype)  # as torch evaluates F.silu
     if BACKWARD:  # out = [d gate, d up], `[T, 2I]`
         grad = tl.load(grad_ptr + row * intermediate + cols, mask=mask, other=0.0).to(tl.float32)
-        grad_silu = _round(grad * up, ROUND, dtype)
+        grad_silu = round_to(grad * up, ROUND, dtype)
         sigmoid = 1.0 / (1.0 + tl.exp(-gate))
         grad_gate = grad_silu * sigmoid * (1.0 + gate * (1.0 - sigmoid))  # as torch's silu_backward
         out = out_ptr + row * 2 * intermediate + cols
