@@ -5,8 +5,8 @@ the HBM roofline of the same step.
     python benchmarks/decode_profile.py --models qwen3-0.6b --batches 1 --steps triton
 
 One engine decode step (256-token key capacity, random bf16 weights), module by module (`decode.decode_step`,
-`torch`) and on the Triton decode kernels (`fused_decode.fused_decode_step`, `triton`; `triton-gemv`: at
-batch 1 on tandem's fused GEMVs instead of cuBLAS), is profiled eagerly
+`torch`) and on the Triton decode kernels (`fused_decode.fused_decode_step`, `triton`: at batch 1 on
+tandem's fused GEMVs; `triton-cublas`: on cuBLAS's at every batch), is profiled eagerly
 with torch.profiler (kernel count and the sum of the kernels' own durations: the GPU work, without launch gaps),
 then captured as a CUDA graph and replayed (wall time per replay). If the replay takes about the summed kernel
 time, the step is bound by its kernels; the roofline is the weights read once over the copy bandwidth measured
@@ -35,7 +35,7 @@ BLOCK_SIZE, KEY_CAPACITY = 16, 256
 STEPS: dict[str, StepFunction] = {
     "torch": decode_step,
     "triton": fused_decode_step,
-    "triton-gemv": functools.partial(fused_decode_step, one_row_gemv=True),
+    "triton-cublas": functools.partial(fused_decode_step, one_row_gemv=False),
 }
 
 

@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="the Triton GEMV needs the triton package (
 
 from tandem.kernels.gemv import CONFIGS, gemv, norm_gemv, pdl_supported
 from tandem.models.layers.mlp import swiglu
+from tandem.models.layers.norm import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -64,7 +65,9 @@ def test_gemv_matches_linear(dtype, out_features, in_features, bias, activation)
 def test_norm_gemv_matches_add_rms_norm_then_linear(dtype, out_features, in_features, with_delta):
     residual, delta, weight, b, norm = _inputs(out_features, in_features, dtype, bias=True)
     new_residual = residual + delta if with_delta else residual
-    want = swiglu(F.linear(F.rms_norm(new_residual, (in_features,), norm, eps=1e-6), weight, b))
+    rms_norm = RMSNorm(in_features, eps=1e-6).to(DEVICE, dtype)
+    rms_norm.weight.data.copy_(norm)
+    want = swiglu(F.linear(rms_norm(new_residual), weight, b))  # the model's RMSNorm, rounded where it rounds
     for launch in _launches():
         got, got_residual = norm_gemv(
             residual, delta if with_delta else None, norm, 1e-6, weight, b, swiglu=True, **launch

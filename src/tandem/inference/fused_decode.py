@@ -48,12 +48,12 @@ class _Step:
     pdl: bool
 
 
-def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, one_row_gemv: bool = False) -> torch.Tensor:
+def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, one_row_gemv: bool = True) -> torch.Tensor:
     """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row.
 
     `one_row_gemv`: a one-row step of a dense model runs on the fused GEMVs (`kernels.gemv`), not cuBLAS."""
     from tandem.kernels.decode import add_rms_norm
-    from tandem.kernels.gemv import pdl_supported
+    from tandem.kernels.gemv import norm_gemv, pdl_supported
 
     tokens, lengths, tables = inputs[:, 0], inputs[:, 1].contiguous(), inputs[:, 2:]
     size = cache.block_size
@@ -68,7 +68,9 @@ def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, one
     delta = None
     for index, layer in enumerate(model.layers):
         residual, delta = layer_step(layer, index, residual, delta, step)
-    return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, step.eps, pdl=pdl))
+    if one_row:  # the final norm and the LM head in one GEMV too
+        return norm_gemv(residual, delta, model.norm.weight, step.eps, model.lm_head_weight, pdl=pdl)[0]
+    return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, step.eps))
 
 
 def _attention(attn: Attention, index: int, qkv: torch.Tensor, step: _Step, rows: int) -> torch.Tensor:

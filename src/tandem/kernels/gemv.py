@@ -25,11 +25,20 @@ import triton.language as tl
 from tandem.kernels.decode import launch_flags, wait_for_previous_kernel
 from tandem.kernels.rounding import round_to
 
-CONFIGS = [
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-    for n, k, w in [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4)]
+TILES = [
+    (1, 1024, 4),
+    (2, 512, 4),
+    (2, 1024, 4),
+    (2, 2048, 8),
+    (4, 512, 4),
+    (4, 1024, 4),
+    (8, 256, 4),
+    (8, 512, 4),
+    (8, 1024, 8),
+    (16, 256, 4),
 ]
 """(BLOCK_N, BLOCK_K, warps) candidates, autotuned per shape on CUDA; benchmarks/gemv.py times each."""
+CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in TILES]
 INTERPRETER_CONFIG = {"BLOCK_N": 4, "BLOCK_K": 64}
 
 
