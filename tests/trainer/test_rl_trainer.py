@@ -138,7 +138,10 @@ def test_trainer_on_two_gloo_ranks_matches_one_and_publishes_policies(tiny_model
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["off_policy_kl"] == pytest.approx(b["off_policy_kl"], rel=1e-5)
-        assert a["mismatch_kl"] == pytest.approx(b["mismatch_kl"], rel=1e-5, abs=1e-9)
+        if a["step"] == 1:  # step 1's samples came from version 0, the trainer's weights then
+            assert a["mismatch_kl"] == pytest.approx(b["mismatch_kl"], rel=1e-5, abs=1e-9)
+        else:  # no token of step 2 came from version 1: no mismatch to measure (newer pytest rejects approx(None))
+            assert a["mismatch_kl"] is None and b["mismatch_kl"] is None
     for step in (1, 2):
         policy = one / "policies" / f"step-{step:06d}"
         assert (policy / COMPLETE).exists() and (policy / "config.json").exists()
