@@ -6,8 +6,6 @@ kernel is defined; the interpreter's bf16 is not the GPU's); on CUDA they run co
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,8 +50,7 @@ def test_fused_step_equals_the_module_step_fp32(arch, rows, model_dir):
     cache, inputs = _random_step(model.args, rows=rows, width=6, seed=1, dtype=torch.float32)
     reference = _clone(cache)
     with torch.no_grad():
-        got = fused_decode_step(model, cache, inputs, one_row_gemv=True)
-        want = decode_step(model, reference, inputs)
+        got, want = fused_decode_step(model, cache, inputs), decode_step(model, reference, inputs)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     for fused, plain in zip(cache.k + cache.v, reference.k + reference.v, strict=True):  # same rows written
         torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
@@ -112,7 +109,7 @@ def test_one_row_gemv_step_bf16_eager_and_replayed(model_dir):
     model = load_model(model_dir("qwen3"), dtype=torch.bfloat16, device="cuda").eval()
     cache, inputs = _random_step(model.args, rows=1, width=5, seed=3, dtype=torch.bfloat16)
     module_cache, replay_cache = _clone(cache), _clone(cache)
-    step = functools.partial(fused_decode_step, one_row_gemv=True)
+    step = fused_decode_step  # one row: the GEMV step
     with torch.no_grad():
         eager, want = step(model, cache, inputs), decode_step(model, module_cache, inputs)
         torch.testing.assert_close(eager.float(), want.float(), atol=0.05, rtol=0.02)

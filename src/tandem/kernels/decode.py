@@ -49,9 +49,7 @@ def _add_rms_norm_kernel(
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUND: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -65,12 +63,8 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + row * hidden + cols, (weight * normed).to(dtype), mask=mask)
 
 
-def add_rms_norm(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
-) -> torch.Tensor:
-    """`residual += delta` in place (when given), then RMSNorm(residual) as a new tensor; rows `[N, hidden]`.
-
-    `pdl`, here and below: launch as a programmatic dependent of the previous kernel (`gemv.pdl_supported`)."""
+def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`residual += delta` in place (when given), then RMSNorm(residual) as a new tensor; rows `[N, hidden]`."""
     rows, hidden = residual.shape
     out = torch.empty_like(residual)
     _add_rms_norm_kernel[(rows,)](
@@ -84,7 +78,6 @@ def add_rms_norm(
         BLOCK=triton.next_power_of_2(hidden),
         ROUND=residual.dtype != torch.float32,
         enable_fp_fusion=False,
-        **launch_flags(pdl),
     )
     return out
 
@@ -157,7 +150,10 @@ def qk_norm_rope_store(
 ) -> torch.Tensor:
     """Split fused `qkv` `[N, (Hq + 2 Hkv) * D]`; qk-norm (optional) and rotate q and k by cos/sin `[N, D]`;
     write k and v to the cache rows `write_index` `[N]` (cache `[blocks, block_size, Hkv, D]`); return q
-    `[N, Hq, D]`."""
+    `[N, Hq, D]`.
+
+    `pdl`, here and in `paged_decode_attention`: launch as a programmatic dependent of the previous kernel
+    (`gemv.pdl_supported`)."""
     _, _, kv_heads, dim = k_cache.shape
     tokens = qkv.shape[0]
     q_heads = qkv.shape[1] // dim - 2 * kv_heads

@@ -17,12 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.rounding import round_to
+
 BLOCK_HEADS = 4
-
-
-@triton.jit
-def _round(value, dtype: tl.constexpr):
-    return value.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
 
 
 @triton.jit
@@ -63,11 +60,10 @@ def _rope_kernel(
     else:
         # out lo = x_lo * cos_lo - x_hi * sin_lo,  out hi = x_hi * cos_hi + x_lo * sin_hi
         a_lo, b_lo, a_hi, b_hi = lo * cos_lo, -(hi * sin_lo), hi * cos_hi, lo * sin_hi
-    out_lo, out_hi = a_lo + b_lo, a_hi + b_hi
-    if ROUND:  # eager rounds each product, then the sum, to the activation dtype (nearest even)
-        a_lo, b_lo = _round(a_lo, dtype), _round(b_lo, dtype)
-        a_hi, b_hi = _round(a_hi, dtype), _round(b_hi, dtype)
-        out_lo, out_hi = _round(a_lo + b_lo, dtype), _round(a_hi + b_hi, dtype)
+    # eager rounds each product, then the sum, to the activation dtype (nearest even)
+    a_lo, b_lo = round_to(a_lo, ROUND, dtype), round_to(b_lo, ROUND, dtype)
+    a_hi, b_hi = round_to(a_hi, ROUND, dtype), round_to(b_hi, ROUND, dtype)
+    out_lo, out_hi = round_to(a_lo + b_lo, ROUND, dtype), round_to(a_hi + b_hi, ROUND, dtype)
     out_row = out_ptr + token * num_heads * 2 * HALF + heads[:, None] * 2 * HALF + dims[None, :]
     tl.store(out_row, out_lo.to(dtype), mask=mask)
     tl.store(out_row + HALF, out_hi.to(dtype), mask=mask)
