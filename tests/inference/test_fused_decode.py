@@ -6,6 +6,8 @@ kernel is defined; the interpreter's bf16 is not the GPU's); on CUDA they run co
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ pytest.importorskip("triton", reason="the decode kernels need the triton package
 from tandem.inference.decode import decode_inputs, decode_step
 from tandem.inference.fused_decode import fused_decode_step
 from tandem.inference.protocol import SamplingParams
-from tandem.kernels.decode import paged_decode_attention
+from tandem.kernels.decode import arrival_counters, decode_attention, paged_decode_attention, qk_norm_rope_store
 from tandem.models import KVCache, load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,14 +45,16 @@ def _clone(cache: KVCache) -> KVCache:
     return copy
 
 
+@pytest.mark.parametrize("attention", ["three-kernels", "one-kernel"])
 @pytest.mark.parametrize("rows", [5, 1], ids=["batched", "one-row"])  # one row: the fused GEMVs (dense models)
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
-def test_fused_step_equals_the_module_step_fp32(arch, rows, model_dir):
+def test_fused_step_equals_the_module_step_fp32(arch, rows, attention, model_dir):
     model = load_model(model_dir(arch), dtype=torch.float32, device=DEVICE).eval()
     cache, inputs = _random_step(model.args, rows=rows, width=6, seed=1, dtype=torch.float32)
     reference = _clone(cache)
     with torch.no_grad():
-        got, want = fused_decode_step(model, cache, inputs), decode_step(model, reference, inputs)
+        got = fused_decode_step(model, cache, inputs, fused_attention=attention == "one-kernel")
+        want = decode_step(model, reference, inputs)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     for fused, plain in zip(cache.k + cache.v, reference.k + reference.v, strict=True):  # same rows written
         torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
@@ -73,6 +77,38 @@ def test_paged_attention_equals_sdpa_over_gathered_keys(heads, kv_heads, splits)
         keys, values = (c.flatten(0, 1)[slots].transpose(0, 1) for c in (k_cache, v_cache))
         want = F.scaled_dot_product_attention(q[row, :, None], keys, values, scale=0.3, enable_gqa=True)
         torch.testing.assert_close(got[row].view(heads, dim), want[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-program", "split-keys"])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "no-qk-norm"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (8, 1)])
+def test_one_kernel_attention_equals_the_three(heads, kv_heads, qk_norm, splits):
+    """`decode_attention` (rotation, cache write, attention and split combine in one kernel) against
+    `qk_norm_rope_store` + `paged_decode_attention` (+ the combine kernel): the same output and the same cache
+    rows written, twice over one set of arrival counters, which each launch leaves at zero. Lengths: the new
+    key alone, mid-block, and the last slot of the table (the new key in the last split)."""
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    dim, blocks, rows, width, eps = 16, 130, 3, 40, 1e-6
+    k_cache, v_cache = (torch.randn(blocks, BLOCK, kv_heads, dim, generator=g).to(DEVICE) for _ in range(2))
+    tables = (1 + torch.randperm(blocks - 1, generator=g)[: rows * width]).view(rows, width).to(DEVICE)
+    lengths = torch.tensor([0, 17, width * BLOCK - 1], device=DEVICE)
+    write_index = tables.gather(1, (lengths // BLOCK)[:, None])[:, 0] * BLOCK + lengths % BLOCK
+    angles = torch.rand(rows, dim // 2, generator=g).to(DEVICE) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, dim=1), torch.cat([angles.sin()] * 2, dim=1)
+    norms = [(1 + 0.1 * torch.randn(dim, generator=g)).to(DEVICE) for _ in range(2)] if qk_norm else [None, None]
+    arrivals = arrival_counters(rows, kv_heads, torch.device(DEVICE))
+    for step in range(2):
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(DEVICE)
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        q = qk_norm_rope_store(qkv, *norms, eps, cos, sin, want_k, want_v, write_index)
+        want = paged_decode_attention(q, want_k, want_v, tables, lengths, scale=0.3, splits=splits)
+        got = decode_attention(
+            qkv, *norms, eps, cos, sin, k_cache, v_cache, write_index, tables, lengths, 0.3, splits, arrivals=arrivals
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
+        torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+        assert not arrivals.any(), "every launch leaves its arrival counters at zero"
 
 
 def test_engine_with_fused_decode_gives_the_module_tokens(make_engine):
@@ -103,13 +139,15 @@ def test_fused_step_bf16_and_under_cuda_graphs(model_dir, make_engine):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and CUDA graphs need CUDA")
-def test_one_row_gemv_step_bf16_eager_and_replayed(model_dir):
-    """The batch-1 GEMV step (PDL launches on Hopper) against the module step, and its CUDA-graph replay
-    against its eager run: same logits, same cache writes."""
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("attention", ["three-kernels", "one-kernel"])
+def test_triton_step_bf16_eager_and_replayed(model_dir, attention, rows):
+    """The Triton step (one row: the GEMV step, PDL launches on Hopper) against the module step, and its
+    CUDA-graph replay against its eager run: same logits, same cache writes."""
     model = load_model(model_dir("qwen3"), dtype=torch.bfloat16, device="cuda").eval()
-    cache, inputs = _random_step(model.args, rows=1, width=5, seed=3, dtype=torch.bfloat16)
+    cache, inputs = _random_step(model.args, rows=rows, width=5, seed=3, dtype=torch.bfloat16)
     module_cache, replay_cache = _clone(cache), _clone(cache)
-    step = fused_decode_step  # one row: the GEMV step
+    step = functools.partial(fused_decode_step, fused_attention=attention == "one-kernel")
     with torch.no_grad():
         eager, want = step(model, cache, inputs), decode_step(model, module_cache, inputs)
         torch.testing.assert_close(eager.float(), want.float(), atol=0.05, rtol=0.02)

@@ -8,6 +8,9 @@ use the fused SiLU kernel; MoE layers call their module (router and experts), un
 A step of one row (batch 1 of a dense model) runs its projections on tandem's GEMV (`kernels.gemv`), which
 takes the RMSNorm before a projection and the SwiGLU after it into the same kernel: 7 kernels a layer, each
 launched, on Hopper, as a programmatic dependent of the one before (its weights load while that one ends).
+`fused_attention` makes the three attention kernels (qk-norm + RoPE + cache write, attention, split combine)
+one (`kernels.decode.decode_attention`): 5 kernels a layer at batch 1. It stays off until a GPU run shows
+it faster (`benchmarks/decode_profile.py --steps triton triton-attn1`).
 """
 
 from __future__ import annotations
@@ -46,13 +49,24 @@ class _Step:
     cache: KVCache
     eps: float
     pdl: bool
+    arrivals: torch.Tensor | None
+    """`decode_attention`'s split counters, shared by every layer (each launch leaves them zeroed); None: the
+    three-kernel attention."""
 
 
-def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, one_row_gemv: bool = True) -> torch.Tensor:
+def fused_decode_step(
+    model: CausalLM,
+    cache: KVCache,
+    inputs: torch.Tensor,
+    one_row_gemv: bool = True,
+    fused_attention: bool = False,
+) -> torch.Tensor:
     """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row.
 
-    `one_row_gemv`: a one-row step of a dense model runs on the fused GEMVs (`kernels.gemv`), not cuBLAS."""
-    from tandem.kernels.decode import add_rms_norm
+    `one_row_gemv`: a one-row step of a dense model runs on the fused GEMVs (`kernels.gemv`), not cuBLAS.
+    `fused_attention`: qk-norm + RoPE + cache write, attention and the split combine as one kernel
+    (`kernels.decode.decode_attention`) instead of three; off until measured on a GPU."""
+    from tandem.kernels.decode import add_rms_norm, arrival_counters
     from tandem.kernels.gemv import norm_gemv, pdl_supported
 
     tokens, lengths, tables = inputs[:, 0], inputs[:, 1].contiguous(), inputs[:, 2:]
@@ -63,7 +77,8 @@ def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, one
     dense = all(isinstance(layer.mlp, GatedMLP) for layer in model.layers)
     one_row = one_row_gemv and dense and tokens.shape[0] == 1
     pdl = one_row and pdl_supported(residual.device)
-    step = _Step(cos, sin, write_index, tables, lengths, cache, model.args.rms_norm_eps, pdl)
+    arrivals = arrival_counters(tokens.shape[0], model.args.num_kv_heads, tokens.device) if fused_attention else None
+    step = _Step(cos, sin, write_index, tables, lengths, cache, model.args.rms_norm_eps, pdl, arrivals)
     layer_step = _one_row_layer if one_row else _layer
     delta = None
     for index, layer in enumerate(model.layers):
@@ -75,14 +90,19 @@ def fused_decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, one
 
 def _attention(attn: Attention, index: int, qkv: torch.Tensor, step: _Step, rows: int) -> torch.Tensor:
     """qk-norm + RoPE + layer `index`'s cache write, then paged attention: `[max(N, rows), Hq * D]`."""
-    from tandem.kernels.decode import paged_decode_attention, qk_norm_rope_store
+    from tandem.kernels.decode import decode_attention, paged_decode_attention, qk_norm_rope_store
 
     k_cache, v_cache = step.cache.k[index], step.cache.v[index]
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
-    cos, sin, pdl = step.cos, step.sin, step.pdl
-    q = qk_norm_rope_store(qkv, q_norm, k_norm, step.eps, cos, sin, k_cache, v_cache, step.write_index, pdl=pdl)
-    return paged_decode_attention(q, k_cache, v_cache, step.tables, step.lengths, attn.scale, min_rows=rows, pdl=pdl)
+    cos, sin, pdl, eps, tables, lengths = step.cos, step.sin, step.pdl, step.eps, step.tables, step.lengths
+    if step.arrivals is not None:
+        return decode_attention(
+            qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, tables, lengths, attn.scale,
+            min_rows=rows, pdl=pdl, arrivals=step.arrivals,
+        )  # fmt: skip
+    q = qk_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, pdl=pdl)
+    return paged_decode_attention(q, k_cache, v_cache, tables, lengths, attn.scale, min_rows=rows, pdl=pdl)
 
 
 def _layer(

@@ -4,7 +4,8 @@ Decoding a small model at small batch is bound by how many kernels a step launch
 op-by-op step is ~61 kernels per layer (an RMSNorm alone is eight: casts, pow, mean, add, rsqrt, muls).
 These kernels cut a layer to: residual add + RMSNorm, the QKV GEMV, qk-norm + RoPE + KV-cache write, paged
 attention reading K/V in place through the block table, the O GEMV, residual add + RMSNorm, the gate/up GEMV,
-SiLU * up (`kernels.swiglu`), the down GEMV.
+SiLU * up (`kernels.swiglu`), the down GEMV. `decode_attention` makes qk-norm + RoPE + cache write, the
+attention and its split combine a single kernel.
 
 Numerics follow the op-by-op model (`tandem.models`): fp32 math, rounded to the activation dtype where
 eager PyTorch rounds (after the residual add, the normalised row, each RoPE product and sum, SiLU and the
@@ -83,6 +84,20 @@ def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: tor
 
 
 @triton.jit
+def _norm_scale(x, inv_rms, weight, ROUND: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm's output given the row's `inv_rms`: the normalised value and its product with the weight, each
+    rounded as eager rounds them."""
+    return round_to(weight * round_to(x * inv_rms, ROUND, dtype), ROUND, dtype)
+
+
+@triton.jit
+def _rope(x, x_pair, cos, signed_sin, ROUND: tl.constexpr, dtype: tl.constexpr):
+    """x * cos + rotate_half(x) * sin, rounded as eager rounds each product and the sum. `x_pair` is x at the
+    other half's position and `signed_sin` is sin negated in the first half: rotate_half(x) = (-hi, lo)."""
+    return round_to(round_to(x * cos, ROUND, dtype) + round_to(x_pair * signed_sin, ROUND, dtype), ROUND, dtype)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr,
     q_norm_ptr,
@@ -113,15 +128,12 @@ def _qk_norm_rope_store_kernel(
         weight_lo = tl.where(is_q, tl.load(q_norm_ptr + dims), tl.load(k_norm_ptr + dims)).to(tl.float32)
         weight_hi = tl.where(is_q, tl.load(q_norm_ptr + HALF + dims), tl.load(k_norm_ptr + HALF + dims)).to(tl.float32)
         inv_rms = tl.math.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / (2 * HALF) + eps)
-        lo = round_to(weight_lo * round_to(lo * inv_rms, ROUND, dtype), ROUND, dtype)
-        hi = round_to(weight_hi * round_to(hi * inv_rms, ROUND, dtype), ROUND, dtype)
+        lo, hi = _norm_scale(lo, inv_rms, weight_lo, ROUND, dtype), _norm_scale(hi, inv_rms, weight_hi, ROUND, dtype)
     cos_lo = tl.load(cos_ptr + token * 2 * HALF + dims).to(tl.float32)
     cos_hi = tl.load(cos_ptr + token * 2 * HALF + HALF + dims).to(tl.float32)
     sin_lo = tl.load(sin_ptr + token * 2 * HALF + dims).to(tl.float32)
     sin_hi = tl.load(sin_ptr + token * 2 * HALF + HALF + dims).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, with rotate_half(x) = (-hi, lo)
-    out_lo = round_to(round_to(lo * cos_lo, ROUND, dtype) + round_to(-(hi * sin_lo), ROUND, dtype), ROUND, dtype)
-    out_hi = round_to(round_to(hi * cos_hi, ROUND, dtype) + round_to(lo * sin_hi, ROUND, dtype), ROUND, dtype)
+    out_lo, out_hi = _rope(lo, hi, cos_lo, -sin_lo, ROUND, dtype), _rope(hi, lo, cos_hi, sin_hi, ROUND, dtype)
     if is_q:
         out = q_out_ptr + (token * num_q_heads + head) * 2 * HALF
         tl.store(out + dims, out_lo.to(dtype))
@@ -134,6 +146,22 @@ def _qk_norm_rope_store_kernel(
         v_row = row + (num_q_heads + num_kv_heads + kv_head) * 2 * HALF
         tl.store(v_cache_ptr + cache_row + dims, tl.load(v_row + dims))
         tl.store(v_cache_ptr + cache_row + HALF + dims, tl.load(v_row + HALF + dims))
+
+
+def _qkv_heads(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    smallest_dim: int,
+) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a fused projection `[N, (Hq + 2 Hkv) * D]`, after checking them."""
+    _, _, kv_heads, dim = k_cache.shape
+    if dim & (dim - 1) or dim < smallest_dim:
+        raise ValueError(f"the decode kernels need a power-of-two head_dim of at least {smallest_dim}, got {dim}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qk-norm needs both q_norm and k_norm weights, or neither")
+    return qkv.shape[1] // dim - 2 * kv_heads, kv_heads, dim
 
 
 def qk_norm_rope_store(
@@ -154,13 +182,8 @@ def qk_norm_rope_store(
 
     `pdl`, here and in `paged_decode_attention`: launch as a programmatic dependent of the previous kernel
     (`gemv.pdl_supported`)."""
-    _, _, kv_heads, dim = k_cache.shape
+    q_heads, kv_heads, dim = _qkv_heads(qkv, q_norm, k_norm, k_cache, smallest_dim=2)
     tokens = qkv.shape[0]
-    q_heads = qkv.shape[1] // dim - 2 * kv_heads
-    if dim & (dim - 1) or dim < 2:
-        raise ValueError(f"the decode kernels need a power-of-two head_dim, got {dim}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("qk-norm needs both q_norm and k_norm weights, or neither")
     q = torch.empty(tokens, q_heads, dim, dtype=qkv.dtype, device=qkv.device)
     qk_norm = q_norm is not None
     _qk_norm_rope_store_kernel[(tokens, q_heads + kv_heads)](
@@ -186,45 +209,17 @@ def qk_norm_rope_store(
 
 
 @triton.jit
-def _paged_decode_attention_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    tables_ptr,
-    lengths_ptr,
-    out_ptr,
-    partial_ptr,
-    stats_ptr,
-    table_stride,
-    num_kv_heads,
-    scale,
-    chunk,
-    GROUP: tl.constexpr,
-    ROWS: tl.constexpr,
-    DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    KEYS: tl.constexpr,
-    SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(PDL)
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = tl.arange(0, ROWS)
+def _attend(
+    q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, num_kv_heads, first, last, scale, best, total, acc,
+    DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of queries `q` `[ROWS, DIM]` over the cached keys `[first, last)` of one KV head, read in
+    place through the sequence's block table; carries (running max, sum of weights, unnormalised output)."""
     dims = tl.arange(0, DIM)
-    row_mask = rows < GROUP
-    heads = kv_head * GROUP + rows  # the query heads of this KV head: one tile's rows (padded to ROWS)
-    q_rows = (seq * num_kv_heads * GROUP + heads)[:, None] * DIM + dims[None, :]
-    q = tl.load(q_ptr + q_rows, mask=row_mask[:, None], other=0.0)
-    num_keys = tl.load(lengths_ptr + seq) + 1  # the cached tokens and the new one (written just before)
-    first, last = split * chunk, tl.minimum(split * chunk + chunk, num_keys)
-    best = tl.full([ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, DIM], tl.float32)
     for start in range(first, last, KEYS):
         keys = start + tl.arange(0, KEYS)
         key_mask = keys < last
-        block = tl.load(tables_ptr + seq * table_stride + keys // BLOCK_SIZE, mask=key_mask, other=0)
+        block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0)
         kv_rows = ((block * BLOCK_SIZE + keys % BLOCK_SIZE) * num_kv_heads + kv_head)[:, None] * DIM + dims[None, :]
         k = tl.load(k_cache_ptr + kv_rows, mask=key_mask[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -236,37 +231,184 @@ def _paged_decode_attention_kernel(
         total = total * rescale + tl.sum(weights, axis=1)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         best = new_best
+    return best, total, acc
+
+
+@triton.jit
+def _combine(partial_ptr, stats_ptr, parts, row_mask, SPLITS: tl.constexpr, DIM: tl.constexpr):
+    """The attention output `[R, DIM]` of query rows whose SPLITS partial softmaxes start at `parts` `[R]`.
+    Loads bypass L1 (`.cg`): other programs of the same launch may have written the partials."""
+    dims = tl.arange(0, DIM)
+    best = tl.full(parts.shape, float("-inf"), tl.float32)
+    for split in range(SPLITS):  # splits past a row's keys have best -inf: they weigh nothing
+        best = tl.maximum(
+            best, tl.load(stats_ptr + (parts + split) * 2, mask=row_mask, other=0.0, cache_modifier=".cg")
+        )
+    total = tl.zeros(parts.shape, tl.float32)
+    acc = tl.zeros([parts.shape[0], DIM], tl.float32)
+    for split in range(SPLITS):
+        part = parts + split
+        weight = tl.exp(tl.load(stats_ptr + part * 2, mask=row_mask, other=0.0, cache_modifier=".cg") - best)
+        total += weight * tl.load(stats_ptr + part * 2 + 1, mask=row_mask, other=1.0, cache_modifier=".cg")
+        rows = part[:, None] * DIM + dims[None, :]
+        acc += weight[:, None] * tl.load(partial_ptr + rows, mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
+    return acc / total[:, None]
+
+
+@triton.jit
+def _store_attention(
+    out_ptr, partial_ptr, stats_ptr, heads, row_mask, split, best, total, acc, SPLITS: tl.constexpr,
+    DIM: tl.constexpr,
+):  # fmt: skip
+    """The output rows of query `heads` (`seq * Hq + head`): normalised, or this split's partial softmax."""
+    dims = tl.arange(0, DIM)
     if SPLITS == 1:
-        tl.store(out_ptr + q_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-    else:  # this split's running max, sum and unnormalised output, combined by `_combine_splits_kernel`
-        part = (seq * num_kv_heads * GROUP + heads) * SPLITS + split
+        rows = heads[:, None] * DIM + dims[None, :]
+        tl.store(out_ptr + rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        part = heads * SPLITS + split
         tl.store(partial_ptr + part[:, None] * DIM + dims[None, :], acc, mask=row_mask[:, None])
         tl.store(stats_ptr + part * 2, best, mask=row_mask)
         tl.store(stats_ptr + part * 2 + 1, total, mask=row_mask)
 
 
 @triton.jit
-def _combine_splits_kernel(
-    partial_ptr, stats_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
-    PDL: tl.constexpr,
+def _paged_decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lengths_ptr, out_ptr, partial_ptr, stats_ptr, table_stride,
+    num_kv_heads, scale, chunk, GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous_kernel(PDL)
-    head_row = tl.program_id(0)  # token * Hq + head
-    splits = tl.arange(0, SPLITS_PAD)
-    mask = splits < SPLITS
-    part = head_row * SPLITS + splits
-    best = tl.load(stats_ptr + part * 2, mask=mask, other=float("-inf"))
-    total = tl.load(stats_ptr + part * 2 + 1, mask=mask, other=0.0)
-    weight = tl.exp(best - tl.max(best, axis=0))  # splits past the sequence's keys have best -inf: weight 0
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
-    acc = tl.load(partial_ptr + part[:, None] * DIM + dims[None, :], mask=mask[:, None], other=0.0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * total, axis=0)
-    tl.store(out_ptr + head_row * DIM + dims, out.to(out_ptr.dtype.element_ty))
+    row_mask = rows < GROUP
+    heads = seq * num_kv_heads * GROUP + kv_head * GROUP + rows  # this KV head's query heads: one tile's rows
+    q = tl.load(q_ptr + heads[:, None] * DIM + dims[None, :], mask=row_mask[:, None], other=0.0)
+    num_keys = tl.load(lengths_ptr + seq) + 1  # the cached tokens and the new one (written just before)
+    first = split * chunk
+    best, total, acc = _attend(
+        q, k_cache_ptr, v_cache_ptr, tables_ptr + seq * table_stride, kv_head, num_kv_heads, first,
+        tl.minimum(first + chunk, num_keys), scale, tl.full([ROWS], float("-inf"), tl.float32),
+        tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, DIM], tl.float32), DIM, BLOCK_SIZE, KEYS, PRECISION,
+    )  # fmt: skip
+    _store_attention(out_ptr, partial_ptr, stats_ptr, heads, row_mask, split, best, total, acc, SPLITS, DIM)
+
+
+@triton.jit
+def _combine_splits_kernel(partial_ptr, stats_ptr, out_ptr, SPLITS: tl.constexpr, DIM: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    head_row = tl.program_id(0) + tl.arange(0, 1)  # token * Hq + head
+    out = _combine(partial_ptr, stats_ptr, head_row * SPLITS, head_row >= 0, SPLITS, DIM)
+    tl.store(out_ptr + head_row[:, None] * DIM + tl.arange(0, DIM)[None, :], out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _decode_attention_kernel(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, write_index_ptr, tables_ptr,
+    lengths_ptr, out_ptr, partial_ptr, stats_ptr, arrivals_ptr, table_stride, num_kv_heads, eps, scale, chunk,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
+    SPLITS: tl.constexpr, QK_NORM: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous_kernel(PDL)
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = out_ptr.dtype.element_ty
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, DIM)
+    pair = (dims + DIM // 2) % DIM  # the other half's position: rotate_half pairs dim i with i +- DIM / 2
+    row_mask = rows < GROUP
+    qkv_row = qkv_ptr + seq * num_kv_heads * (GROUP + 2) * DIM  # Hq query heads, then Hkv key and Hkv value heads
+    cos = tl.load(cos_ptr + seq * DIM + dims).to(tl.float32)
+    signed_sin = tl.where(dims < DIM // 2, -1.0, 1.0) * tl.load(sin_ptr + seq * DIM + dims).to(tl.float32)
+    # this KV head's query heads, qk-normed and rotated: one tile's rows
+    q_cols = (kv_head * GROUP + rows)[:, None] * DIM
+    x = tl.load(qkv_row + q_cols + dims[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    x_pair = tl.load(qkv_row + q_cols + pair[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+    if QK_NORM:
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / DIM + eps)[:, None]
+        x_norm = tl.load(q_norm_ptr + dims).to(tl.float32)[None, :]
+        pair_norm = tl.load(q_norm_ptr + pair).to(tl.float32)[None, :]
+        x, x_pair = _norm_scale(x, inv_rms, x_norm, ROUND, dtype), _norm_scale(x_pair, inv_rms, pair_norm, ROUND, dtype)
+    q = _rope(x, x_pair, cos[None, :], signed_sin[None, :], ROUND, dtype).to(dtype)
+    # the cached keys of this split; the new token's key (position `length`) is not in the cache yet
+    length = tl.load(lengths_ptr + seq)
+    first = split * chunk
+    best, total, acc = _attend(
+        q, k_cache_ptr, v_cache_ptr, tables_ptr + seq * table_stride, kv_head, num_kv_heads, first,
+        tl.minimum(first + chunk, length), scale, tl.full([ROWS], float("-inf"), tl.float32),
+        tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, DIM], tl.float32), DIM, BLOCK_SIZE, KEYS, PRECISION,
+    )  # fmt: skip
+    if split == length // chunk:  # the split that holds the new key: rotate it, cache it with its value, attend
+        k_col = num_kv_heads * GROUP * DIM + kv_head * DIM
+        k = tl.load(qkv_row + k_col + dims).to(tl.float32)
+        k_pair = tl.load(qkv_row + k_col + pair).to(tl.float32)
+        if QK_NORM:
+            inv_rms = tl.math.rsqrt(tl.sum(k * k, axis=0) / DIM + eps)
+            k_norm, pair_norm = tl.load(k_norm_ptr + dims).to(tl.float32), tl.load(k_norm_ptr + pair).to(tl.float32)
+            k, k_pair = (
+                _norm_scale(k, inv_rms, k_norm, ROUND, dtype),
+                _norm_scale(k_pair, inv_rms, pair_norm, ROUND, dtype),
+            )
+        k = _rope(k, k_pair, cos, signed_sin, ROUND, dtype)
+        v = tl.load(qkv_row + k_col + num_kv_heads * DIM + dims)
+        cache_row = (tl.load(write_index_ptr + seq) * num_kv_heads + kv_head) * DIM
+        tl.store(k_cache_ptr + cache_row + dims, k.to(dtype))
+        tl.store(v_cache_ptr + cache_row + dims, v)
+        score = tl.sum(q.to(tl.float32) * k[None, :], axis=1) * scale
+        new_best = tl.maximum(best, score)
+        weight = tl.exp(score - new_best)
+        rescale = tl.exp(best - new_best)
+        total = total * rescale + weight
+        acc = acc * rescale[:, None] + weight[:, None] * v.to(tl.float32)[None, :]
+        best = new_best
+    heads = seq * num_kv_heads * GROUP + kv_head * GROUP + rows
+    _store_attention(out_ptr, partial_ptr, stats_ptr, heads, row_mask, split, best, total, acc, SPLITS, DIM)
+    if SPLITS > 1:  # the last split of this KV head to finish combines them all, then re-arms the counter
+        tl.debug_barrier()  # every thread's partial stores come before the arrival's release
+        arrivals = arrivals_ptr + seq * num_kv_heads + kv_head
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == SPLITS - 1:
+            out = _combine(partial_ptr, stats_ptr, heads * SPLITS, row_mask, SPLITS, DIM)
+            tl.store(out_ptr + heads[:, None] * DIM + dims[None, :], out.to(dtype), mask=row_mask[:, None])
+            tl.store(arrivals, 0)
 
 
 @functools.cache
 def _processors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+KEYS_PER_TILE = 64
+
+
+def _split_keys(tokens: int, kv_heads: int, capacity: int, device: torch.device, splits: int | None) -> tuple[int, int]:
+    """(keys per split, splits): by default enough splits of the key range for two programs per processor."""
+    if splits is None:
+        splits = -(-2 * _processors(device) // (tokens * kv_heads))
+    chunk = -(-capacity // max(1, min(splits, -(-capacity // KEYS_PER_TILE))) // KEYS_PER_TILE) * KEYS_PER_TILE
+    return chunk, -(-capacity // chunk)
+
+
+def _attention_buffers(
+    q_like: torch.Tensor, tokens: int, q_heads: int, dim: int, splits: int, min_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output `[max(N, min_rows), Hq * D]` and, when the keys are split, the partial softmaxes and their stats."""
+    device = q_like.device
+    out = torch.empty(max(tokens, min_rows), q_heads * dim, dtype=q_like.dtype, device=device)
+    parts = tokens * q_heads * splits if splits > 1 else 0
+    partial = torch.empty(parts * dim, dtype=torch.float32, device=device)
+    return out, partial, torch.empty(parts * 2, dtype=torch.float32, device=device)
+
+
+def _tile_flags(q_like: torch.Tensor, group: int, dim: int, block_size: int, splits: int) -> dict:
+    return {
+        "GROUP": group,
+        "ROWS": max(16, triton.next_power_of_2(group)),
+        "DIM": dim,
+        "BLOCK_SIZE": block_size,
+        "KEYS": KEYS_PER_TILE,
+        "SPLITS": splits,
+        "PRECISION": "ieee" if q_like.dtype == torch.float32 else "tf32",
+    }
 
 
 def paged_decode_attention(
@@ -290,40 +432,63 @@ def paged_decode_attention(
     """
     tokens, q_heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    group = q_heads // kv_heads
-    capacity = tables.shape[1] * block_size
-    keys = 64
-    if splits is None:
-        splits = -(-2 * _processors(q.device) // (tokens * kv_heads))
-    chunk = -(-capacity // max(1, min(splits, -(-capacity // keys))) // keys) * keys
-    splits = -(-capacity // chunk)
-    out = torch.empty(max(tokens, min_rows), q_heads * dim, dtype=q.dtype, device=q.device)
-    partial = torch.empty(tokens * q_heads * splits * dim if splits > 1 else 0, dtype=torch.float32, device=q.device)
-    stats = torch.empty(tokens * q_heads * splits * 2 if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    chunk, splits = _split_keys(tokens, kv_heads, tables.shape[1] * block_size, q.device, splits)
+    out, partial, stats = _attention_buffers(q, tokens, q_heads, dim, splits, min_rows)
     _paged_decode_attention_kernel[(tokens, kv_heads, splits)](
-        q,
-        k_cache,
-        v_cache,
-        tables,
-        lengths,
-        out,
-        partial,
-        stats,
-        tables.stride(0),
-        kv_heads,
-        scale,
-        chunk,
-        GROUP=group,
-        ROWS=max(16, triton.next_power_of_2(group)),
-        DIM=dim,
-        BLOCK_SIZE=block_size,
-        KEYS=keys,
-        SPLITS=splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **launch_flags(pdl),
-    )
+        q, k_cache, v_cache, tables, lengths, out, partial, stats, tables.stride(0), kv_heads, scale, chunk,
+        **_tile_flags(q, q_heads // kv_heads, dim, block_size, splits), **launch_flags(pdl),
+    )  # fmt: skip
     if splits > 1:
-        _combine_splits_kernel[(tokens * q_heads,)](
-            partial, stats, out, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim, **launch_flags(pdl)
-        )
+        _combine_splits_kernel[(tokens * q_heads,)](partial, stats, out, SPLITS=splits, DIM=dim, **launch_flags(pdl))
+    return out
+
+
+def arrival_counters(tokens: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Zeroed counters for `decode_attention`'s split combine, one per sequence and KV head."""
+    return torch.zeros(tokens * kv_heads, dtype=torch.int32, device=device)
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_index: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+    min_rows: int = 1,
+    pdl: bool = False,
+    arrivals: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`qk_norm_rope_store` and `paged_decode_attention` (with its split combine) as one kernel.
+
+    From the fused projection `qkv` `[N, (Hq + 2 Hkv) * D]`, each program normalises and rotates its query
+    heads itself; the program whose key range holds the new token rotates that token's key, writes it and its
+    value to the cache and attends to them from registers (no program reads the cache row being written), and
+    the last program of a KV head to finish its split combines the splits (an arrival counter per sequence and
+    KV head, left at zero for the next launch). `[max(N, min_rows), Hq * D]`, as `paged_decode_attention`.
+
+    `arrivals`: zeroed int32 counters, at least N x Hkv, that every launch leaves zeroed, so the layers of a
+    step share one (`arrival_counters`); by default a new one per call."""
+    q_heads, kv_heads, dim = _qkv_heads(qkv, q_norm, k_norm, k_cache, smallest_dim=16)  # 16: tl.dot's least
+    tokens, block_size = qkv.shape[0], k_cache.shape[1]
+    chunk, splits = _split_keys(tokens, kv_heads, tables.shape[1] * block_size, qkv.device, splits)
+    out, partial, stats = _attention_buffers(qkv, tokens, q_heads, dim, splits, min_rows)
+    if arrivals is None:
+        arrivals = arrival_counters(tokens, kv_heads, qkv.device)
+    if arrivals.numel() < tokens * kv_heads or arrivals.dtype != torch.int32:
+        raise ValueError(f"arrivals must hold at least {tokens * kv_heads} int32 counters")
+    qk_norm = q_norm is not None
+    _decode_attention_kernel[(tokens, kv_heads, splits)](
+        qkv, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, cos, sin, k_cache, v_cache, write_index,
+        tables, lengths, out, partial, stats, arrivals, tables.stride(0), kv_heads, eps, scale, chunk,
+        **_tile_flags(qkv, q_heads // kv_heads, dim, block_size, splits), QK_NORM=qk_norm,
+        ROUND=qkv.dtype != torch.float32, enable_fp_fusion=False, **launch_flags(pdl),
+    )  # fmt: skip
     return out
