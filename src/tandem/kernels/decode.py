@@ -343,11 +343,14 @@ def _decode_attention_kernel(
         k = tl.load(qkv_row + k_col + dims).to(tl.float32)
         k_pair = tl.load(qkv_row + k_col + pair).to(tl.float32)
         if QK_NORM:
-            inv_rms = tl.math.rsqrt(tl.sum(k * k, axis=0) / DIM + eps)
-            k_norm, pair_norm = tl.load(k_norm_ptr + dims).to(tl.float32), tl.load(k_norm_ptr + pair).to(tl.float32)
+            k_inv_rms = tl.math.rsqrt(tl.sum(k * k, axis=0) / DIM + eps)
+            k_weight, k_pair_weight = (
+                tl.load(k_norm_ptr + dims).to(tl.float32),
+                tl.load(k_norm_ptr + pair).to(tl.float32),
+            )
             k, k_pair = (
-                _norm_scale(k, inv_rms, k_norm, ROUND, dtype),
-                _norm_scale(k_pair, inv_rms, pair_norm, ROUND, dtype),
+                _norm_scale(k, k_inv_rms, k_weight, ROUND, dtype),
+                _norm_scale(k_pair, k_inv_rms, k_pair_weight, ROUND, dtype),
             )
         k = _rope(k, k_pair, cos, signed_sin, ROUND, dtype)
         v = tl.load(qkv_row + k_col + num_kv_heads * DIM + dims)
