@@ -45,7 +45,14 @@ def _clone(cache: KVCache) -> KVCache:
     return copy
 
 
-@pytest.mark.parametrize("attention", ["three-kernels", "one-kernel"])
+ATTENTION = {
+    "three-kernels": {},
+    "one-kernel": {"fused_attention": True},
+    "one-kernel-prefetch": {"fused_attention": True, "prefetch_weights": True},  # prefetches on CUDA only
+}
+
+
+@pytest.mark.parametrize("attention", [a for a in ATTENTION if DEVICE == "cuda" or "prefetch" not in a])
 @pytest.mark.parametrize("rows", [5, 1], ids=["batched", "one-row"])  # one row: the fused GEMVs (dense models)
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_fused_step_equals_the_module_step_fp32(arch, rows, attention, model_dir):
@@ -53,7 +60,7 @@ def test_fused_step_equals_the_module_step_fp32(arch, rows, attention, model_dir
     cache, inputs = _random_step(model.args, rows=rows, width=6, seed=1, dtype=torch.float32)
     reference = _clone(cache)
     with torch.no_grad():
-        got = fused_decode_step(model, cache, inputs, fused_attention=attention == "one-kernel")
+        got = fused_decode_step(model, cache, inputs, **ATTENTION[attention])
         want = decode_step(model, reference, inputs)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     for fused, plain in zip(cache.k + cache.v, reference.k + reference.v, strict=True):  # same rows written
@@ -111,6 +118,17 @@ def test_one_kernel_attention_equals_the_three(heads, kv_heads, qk_norm, splits)
         assert not arrivals.any(), "every launch leaves its arrival counters at zero"
 
 
+def test_prefetch_takes_the_weights_after_attention_in_order_up_to_the_budget(model_dir):
+    from tandem.inference.fused_decode import _weights_after_attention
+
+    layer = load_model(model_dir("qwen3"), dtype=torch.float32, device="cpu").layers[0]
+    o, up, down = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight
+    size = [w.numel() * 4 for w in (o, up, down)]
+    plan = _weights_after_attention(layer, size[0] + 100)
+    assert [(w.data_ptr(), n) for w, n in plan] == [(o.data_ptr(), size[0]), (up.data_ptr(), 100)]
+    assert len(_weights_after_attention(layer, 10**12)) == 3 and not _weights_after_attention(layer, 0)
+
+
 def test_engine_with_fused_decode_gives_the_module_tokens(make_engine):
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20] * 30]
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -140,14 +158,14 @@ def test_fused_step_bf16_and_under_cuda_graphs(model_dir, make_engine):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and CUDA graphs need CUDA")
 @pytest.mark.parametrize("rows", [1, 7])
-@pytest.mark.parametrize("attention", ["three-kernels", "one-kernel"])
+@pytest.mark.parametrize("attention", list(ATTENTION))
 def test_triton_step_bf16_eager_and_replayed(model_dir, attention, rows):
     """The Triton step (one row: the GEMV step, PDL launches on Hopper) against the module step, and its
     CUDA-graph replay against its eager run: same logits, same cache writes."""
     model = load_model(model_dir("qwen3"), dtype=torch.bfloat16, device="cuda").eval()
     cache, inputs = _random_step(model.args, rows=rows, width=5, seed=3, dtype=torch.bfloat16)
     module_cache, replay_cache = _clone(cache), _clone(cache)
-    step = functools.partial(fused_decode_step, fused_attention=attention == "one-kernel")
+    step = functools.partial(fused_decode_step, **ATTENTION[attention])
     with torch.no_grad():
         eager, want = step(model, cache, inputs), decode_step(model, module_cache, inputs)
         torch.testing.assert_close(eager.float(), want.float(), atol=0.05, rtol=0.02)

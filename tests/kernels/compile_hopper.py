@@ -97,7 +97,10 @@ def _launches() -> Iterator[Launch]:
         keys = (tables, torch.full((rows,), 100, dtype=torch.int64), 0.1, 4 if rows == 1 else 1)
         pdl = {"pdl": True}
         label = f"{dtype}, {rows} rows"
-        yield f"decode_attention {label}", decode.decode_attention, (qkv, *norms, *rotation, *cache, index, *keys), pdl
+        attention = (qkv, *norms, *rotation, *cache, index, *keys)
+        yield f"decode_attention {label}", decode.decode_attention, attention, pdl
+        weights = [(tensors(hidden, heads * dim), 2**20), (tensors(6144, hidden), 2**22)]
+        yield f"decode_attention prefetching {label}", decode.decode_attention, attention, {**pdl, "prefetch": weights}
         if dtype == torch.float32:
             continue
         yield f"qk_norm_rope_store {label}", decode.qk_norm_rope_store, (qkv, *norms, *rotation, *cache, index), pdl

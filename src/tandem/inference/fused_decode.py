@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models import CausalLM, DecoderBlock, KVCache
-from tandem.models.layers.attention import Attention
 from tandem.models.layers.mlp import GatedMLP
 
 # cuBLAS picks a far slower kernel for a one-row product on some shapes (Qwen3-0.6B's o_proj, 1024 x 2048:
@@ -52,6 +51,8 @@ class _Step:
     arrivals: torch.Tensor | None
     """`decode_attention`'s split counters, shared by every layer (each launch leaves them zeroed); None: the
     three-kernel attention."""
+    prefetch_bytes: int
+    """How much of each layer's weights after attention the one-kernel attention asks L2 for; 0: none."""
 
 
 def fused_decode_step(
@@ -60,12 +61,16 @@ def fused_decode_step(
     inputs: torch.Tensor,
     one_row_gemv: bool = True,
     fused_attention: bool = False,
+    prefetch_weights: bool = False,
 ) -> torch.Tensor:
     """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row.
 
     `one_row_gemv`: a one-row step of a dense model runs on the fused GEMVs (`kernels.gemv`), not cuBLAS.
     `fused_attention`: qk-norm + RoPE + cache write, attention and the split combine as one kernel
-    (`kernels.decode.decode_attention`) instead of three; off until measured on a GPU."""
+    (`kernels.decode.decode_attention`) instead of three; off until measured on a GPU. `prefetch_weights` (with
+    it, on CUDA): that kernel asks L2 for the layer's O, gate/up and down weights, up to half the L2."""
+    if prefetch_weights and not fused_attention:
+        raise ValueError("prefetch_weights needs fused_attention: the one-kernel attention issues the prefetches")
     from tandem.kernels.decode import add_rms_norm, arrival_counters
     from tandem.kernels.gemv import norm_gemv, pdl_supported
 
@@ -78,7 +83,8 @@ def fused_decode_step(
     one_row = one_row_gemv and dense and tokens.shape[0] == 1
     pdl = one_row and pdl_supported(residual.device)
     arrivals = arrival_counters(tokens.shape[0], model.args.num_kv_heads, tokens.device) if fused_attention else None
-    step = _Step(cos, sin, write_index, tables, lengths, cache, model.args.rms_norm_eps, pdl, arrivals)
+    prefetch_bytes = _l2_bytes(residual.device) // 2 if prefetch_weights else 0
+    step = _Step(cos, sin, write_index, tables, lengths, cache, model.args.rms_norm_eps, pdl, arrivals, prefetch_bytes)
     layer_step = _one_row_layer if one_row else _layer
     delta = None
     for index, layer in enumerate(model.layers):
@@ -88,10 +94,30 @@ def fused_decode_step(
     return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, step.eps))
 
 
-def _attention(attn: Attention, index: int, qkv: torch.Tensor, step: _Step, rows: int) -> torch.Tensor:
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+
+
+def _weights_after_attention(layer: DecoderBlock, budget: int) -> list[tuple[torch.Tensor, int]]:
+    """The layer's weights that the kernels after attention read, in their order, cut to `budget` bytes."""
+    weights = [layer.self_attn.o_proj.weight]
+    if isinstance(layer.mlp, GatedMLP):
+        weights += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    plan = []
+    for weight in weights:
+        take = min(budget, weight.numel() * weight.element_size())
+        if take <= 0:
+            break
+        plan.append((weight, take))
+        budget -= take
+    return plan
+
+
+def _attention(layer: DecoderBlock, index: int, qkv: torch.Tensor, step: _Step, rows: int) -> torch.Tensor:
     """qk-norm + RoPE + layer `index`'s cache write, then paged attention: `[max(N, rows), Hq * D]`."""
     from tandem.kernels.decode import decode_attention, paged_decode_attention, qk_norm_rope_store
 
+    attn = layer.self_attn
     k_cache, v_cache = step.cache.k[index], step.cache.v[index]
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
@@ -100,6 +126,7 @@ def _attention(attn: Attention, index: int, qkv: torch.Tensor, step: _Step, rows
         return decode_attention(
             qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, tables, lengths, attn.scale,
             min_rows=rows, pdl=pdl, arrivals=step.arrivals,
+            prefetch=_weights_after_attention(layer, step.prefetch_bytes),
         )  # fmt: skip
     q = qk_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, pdl=pdl)
     return paged_decode_attention(q, k_cache, v_cache, tables, lengths, attn.scale, min_rows=rows, pdl=pdl)
@@ -115,7 +142,7 @@ def _layer(
     attn, mlp = layer.self_attn, layer.mlp
     x = add_rms_norm(delta, residual, layer.input_layernorm.weight, step.eps)
     qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
-    out = _attention(attn, index, qkv, step, O_PROJ_MIN_ROWS)
+    out = _attention(layer, index, qkv, step, O_PROJ_MIN_ROWS)
     delta = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)[: residual.shape[0]]
     x = add_rms_norm(delta, residual, layer.post_attention_layernorm.weight, step.eps)
     if isinstance(mlp, GatedMLP):
@@ -135,7 +162,7 @@ def _one_row_layer(
     qkv, residual = norm_gemv(
         residual, delta, layer.input_layernorm.weight, eps, qkv_proj.weight, qkv_proj.bias, pdl=pdl
     )
-    out = _attention(attn, index, qkv, step, rows=1)
+    out = _attention(layer, index, qkv, step, rows=1)
     delta = gemv(out, attn.o_proj.weight, attn.o_proj.bias, pdl=pdl)
     norm = layer.post_attention_layernorm.weight
     hidden, residual = norm_gemv(residual, delta, norm, eps, up_proj.weight, up_proj.bias, swiglu=True, pdl=pdl)
