@@ -121,12 +121,15 @@ def test_one_kernel_attention_equals_the_three(heads, kv_heads, qk_norm, splits)
 def test_prefetch_takes_the_weights_after_attention_in_order_up_to_the_budget(model_dir):
     from tandem.inference.fused_decode import _weights_after_attention
 
-    layer = load_model(model_dir("qwen3"), dtype=torch.float32, device="cpu").layers[0]
+    layer, after = load_model(model_dir("qwen3"), dtype=torch.float32, device="cpu").layers[:2]
     o, up, down = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight
+    qkv = after.self_attn.qkv_proj.weight
     size = [w.numel() * 4 for w in (o, up, down)]
-    plan = _weights_after_attention(layer, size[0] + 100)
+    plan = _weights_after_attention(layer, after, size[0] + 100)
     assert [(w.data_ptr(), n) for w, n in plan] == [(o.data_ptr(), size[0]), (up.data_ptr(), 100)]
-    assert len(_weights_after_attention(layer, 10**12)) == 3 and not _weights_after_attention(layer, 0)
+    everything = [w.data_ptr() for w, _ in _weights_after_attention(layer, after, 10**12)]
+    assert everything == [w.data_ptr() for w in (o, up, down, qkv)]
+    assert len(_weights_after_attention(layer, None, 10**12)) == 3 and not _weights_after_attention(layer, after, 0)
 
 
 def test_engine_with_fused_decode_gives_the_module_tokens(make_engine):

@@ -52,7 +52,8 @@ class _Step:
     """`decode_attention`'s split counters, shared by every layer (each launch leaves them zeroed); None: the
     three-kernel attention."""
     prefetch_bytes: int
-    """How much of each layer's weights after attention the one-kernel attention asks L2 for; 0: none."""
+    """How much of the weights read after a layer's attention the one-kernel attention asks L2 for; 0: none."""
+    layers: list[DecoderBlock]
 
 
 def fused_decode_step(
@@ -68,7 +69,8 @@ def fused_decode_step(
     `one_row_gemv`: a one-row step of a dense model runs on the fused GEMVs (`kernels.gemv`), not cuBLAS.
     `fused_attention`: qk-norm + RoPE + cache write, attention and the split combine as one kernel
     (`kernels.decode.decode_attention`) instead of three; off until measured on a GPU. `prefetch_weights` (with
-    it, on CUDA): that kernel asks L2 for the layer's O, gate/up and down weights, up to half the L2."""
+    it, on CUDA): that kernel asks L2 for the layer's O, gate/up and down weights and the next layer's QKV,
+    up to half the L2."""
     if prefetch_weights and not fused_attention:
         raise ValueError("prefetch_weights needs fused_attention: the one-kernel attention issues the prefetches")
     from tandem.kernels.decode import add_rms_norm, arrival_counters
@@ -84,7 +86,8 @@ def fused_decode_step(
     pdl = one_row and pdl_supported(residual.device)
     arrivals = arrival_counters(tokens.shape[0], model.args.num_kv_heads, tokens.device) if fused_attention else None
     prefetch_bytes = _l2_bytes(residual.device) // 2 if prefetch_weights else 0
-    step = _Step(cos, sin, write_index, tables, lengths, cache, model.args.rms_norm_eps, pdl, arrivals, prefetch_bytes)
+    eps = model.args.rms_norm_eps
+    step = _Step(cos, sin, write_index, tables, lengths, cache, eps, pdl, arrivals, prefetch_bytes, list(model.layers))
     layer_step = _one_row_layer if one_row else _layer
     delta = None
     for index, layer in enumerate(model.layers):
@@ -98,11 +101,16 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
 
 
-def _weights_after_attention(layer: DecoderBlock, budget: int) -> list[tuple[torch.Tensor, int]]:
-    """The layer's weights that the kernels after attention read, in their order, cut to `budget` bytes."""
+def _weights_after_attention(
+    layer: DecoderBlock, next_layer: DecoderBlock | None, budget: int
+) -> list[tuple[torch.Tensor, int]]:
+    """The weights the kernels after `layer`'s attention read, in their order (its O, gate/up and down
+    projections, then the next layer's QKV), cut to `budget` bytes."""
     weights = [layer.self_attn.o_proj.weight]
     if isinstance(layer.mlp, GatedMLP):
         weights += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    if next_layer is not None:
+        weights.append(next_layer.self_attn.qkv_proj.weight)
     plan = []
     for weight in weights:
         take = min(budget, weight.numel() * weight.element_size())
@@ -118,6 +126,7 @@ def _attention(layer: DecoderBlock, index: int, qkv: torch.Tensor, step: _Step, 
     from tandem.kernels.decode import decode_attention, paged_decode_attention, qk_norm_rope_store
 
     attn = layer.self_attn
+    next_layer = step.layers[index + 1] if index + 1 < len(step.layers) else None
     k_cache, v_cache = step.cache.k[index], step.cache.v[index]
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
@@ -126,7 +135,7 @@ def _attention(layer: DecoderBlock, index: int, qkv: torch.Tensor, step: _Step, 
         return decode_attention(
             qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, tables, lengths, attn.scale,
             min_rows=rows, pdl=pdl, arrivals=step.arrivals,
-            prefetch=_weights_after_attention(layer, step.prefetch_bytes),
+            prefetch=_weights_after_attention(layer, next_layer, step.prefetch_bytes),
         )  # fmt: skip
     q = qk_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, pdl=pdl)
     return paged_decode_attention(q, k_cache, v_cache, tables, lengths, attn.scale, min_rows=rows, pdl=pdl)

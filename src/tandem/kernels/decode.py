@@ -334,6 +334,7 @@ def _decode_attention_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, write_index_ptr, tables_ptr,
     lengths_ptr, out_ptr, partial_ptr, stats_ptr, arrivals_ptr, table_stride, num_kv_heads, eps, scale, chunk,
     prefetch_a_ptr, prefetch_a_bytes, prefetch_b_ptr, prefetch_b_bytes, prefetch_c_ptr, prefetch_c_bytes,
+    prefetch_d_ptr, prefetch_d_bytes,
     GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
     SPLITS: tl.constexpr, QK_NORM: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -342,6 +343,7 @@ def _decode_attention_kernel(
         _prefetch_to_l2(prefetch_a_ptr, prefetch_a_bytes, 256)
         _prefetch_to_l2(prefetch_b_ptr, prefetch_b_bytes, 256)
         _prefetch_to_l2(prefetch_c_ptr, prefetch_c_bytes, 256)
+        _prefetch_to_l2(prefetch_d_ptr, prefetch_d_bytes, 256)
     wait_for_previous_kernel(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = out_ptr.dtype.element_ty
@@ -513,7 +515,7 @@ def decode_attention(
     `arrivals`: zeroed int32 counters, at least N x Hkv, that every launch leaves zeroed, so the layers of a
     step share one (`arrival_counters`); by default a new one per call.
 
-    `prefetch`: up to three (tensor, bytes) whose first bytes the kernels after this one read (the layer's next
+    `prefetch`: up to four (tensor, bytes) whose first bytes the kernels after this one read (the layer's next
     projections): on CUDA every program first asks L2 for its share of them, so they stream from HBM while
     attention runs, which reads little. Keep their sum well below the L2 size. The interpreter ignores it."""
     q_heads, kv_heads, dim = _qkv_heads(qkv, q_norm, k_norm, k_cache, smallest_dim=16)  # 16: tl.dot's least
@@ -524,11 +526,11 @@ def decode_attention(
         arrivals = arrival_counters(tokens, kv_heads, qkv.device)
     if arrivals.numel() < tokens * kv_heads or arrivals.dtype != torch.int32:
         raise ValueError(f"arrivals must hold at least {tokens * kv_heads} int32 counters")
-    if len(prefetch) > 3:
-        raise ValueError(f"decode_attention prefetches at most three tensors, got {len(prefetch)}")
+    if len(prefetch) > 4:
+        raise ValueError(f"decode_attention prefetches at most four tensors, got {len(prefetch)}")
     qk_norm = q_norm is not None
     hints = [(tensor, min(num_bytes, tensor.numel() * tensor.element_size())) for tensor, num_bytes in prefetch]
-    hints += [(qkv, 0)] * (3 - len(hints))
+    hints += [(qkv, 0)] * (4 - len(hints))
     _decode_attention_kernel[(tokens, kv_heads, splits)](
         qkv, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, cos, sin, k_cache, v_cache, write_index,
         tables, lengths, out, partial, stats, arrivals, tables.stride(0), kv_heads, eps, scale, chunk,
