@@ -160,13 +160,14 @@ def test_fused_step_bf16_and_under_cuda_graphs(model_dir, make_engine):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and CUDA graphs need CUDA")
+@pytest.mark.parametrize("width", [5, 80])  # 20 keys: one program per KV head; 320: the keys split over programs
 @pytest.mark.parametrize("rows", [1, 7])
 @pytest.mark.parametrize("attention", list(ATTENTION))
-def test_triton_step_bf16_eager_and_replayed(model_dir, attention, rows):
+def test_triton_step_bf16_eager_and_replayed(model_dir, attention, rows, width):
     """The Triton step (one row: the GEMV step, PDL launches on Hopper) against the module step, and its
     CUDA-graph replay against its eager run: same logits, same cache writes."""
     model = load_model(model_dir("qwen3"), dtype=torch.bfloat16, device="cuda").eval()
-    cache, inputs = _random_step(model.args, rows=rows, width=5, seed=3, dtype=torch.bfloat16)
+    cache, inputs = _random_step(model.args, rows=rows, width=width, seed=3, dtype=torch.bfloat16)
     module_cache, replay_cache = _clone(cache), _clone(cache)
     step = functools.partial(fused_decode_step, **ATTENTION[attention])
     with torch.no_grad():

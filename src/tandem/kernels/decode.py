@@ -166,7 +166,12 @@ def _qkv_heads(
         raise ValueError(f"the decode kernels need a power-of-two head_dim of at least {smallest_dim}, got {dim}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("qk-norm needs both q_norm and k_norm weights, or neither")
-    return qkv.shape[1] // dim - 2 * kv_heads, kv_heads, dim
+    q_heads = qkv.shape[1] // dim - 2 * kv_heads
+    if qkv.shape[1] % dim or q_heads <= 0 or q_heads % kv_heads:
+        raise ValueError(
+            f"qkv's {qkv.shape[1]} columns are not (Hq + 2 x {kv_heads}) heads of {dim}, Hq a multiple of {kv_heads}"
+        )
+    return q_heads, kv_heads, dim
 
 
 def qk_norm_rope_store(
@@ -316,9 +321,10 @@ def _prefetch_to_l2(ptr, num_bytes, LINES: tl.constexpr):
     program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     share = tl.cdiv(tl.cdiv(num_bytes, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)), 128) * 128
     first = program * share
+    last = tl.minimum(first + share, num_bytes)
     bytes_ptr = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-    for start in range(first, tl.minimum(first + share, num_bytes), LINES * 128):
-        lines = tl.minimum(start + tl.arange(0, LINES) * 128, num_bytes - 1)
+    for start in range(first, last, LINES * 128):
+        lines = tl.minimum(start + tl.arange(0, LINES) * 128, last - 1)  # past this program's share: its last line
         tl.inline_asm_elementwise(
             "mov.u32 $0, 0; prefetch.global.L2 [$1];",
             "=r,l",
@@ -396,7 +402,9 @@ def _decode_attention_kernel(
         weight = tl.exp(score - new_best)
         rescale = tl.exp(best - new_best)
         total = total * rescale + weight
-        acc = acc * rescale[:, None] + weight[:, None] * v.to(tl.float32)[None, :]
+        acc = (
+            acc * rescale[:, None] + round_to(weight, ROUND, dtype)[:, None] * v.to(tl.float32)[None, :]
+        )  # as `_attend`
         best = new_best
     heads = seq * num_kv_heads * GROUP + kv_head * GROUP + rows
     _store_attention(out_ptr, partial_ptr, stats_ptr, heads, row_mask, split, best, total, acc, SPLITS, DIM)
@@ -524,8 +532,10 @@ def decode_attention(
     out, partial, stats = _attention_buffers(qkv, tokens, q_heads, dim, splits, min_rows)
     if arrivals is None:
         arrivals = arrival_counters(tokens, kv_heads, qkv.device)
-    if arrivals.numel() < tokens * kv_heads or arrivals.dtype != torch.int32:
-        raise ValueError(f"arrivals must hold at least {tokens * kv_heads} int32 counters")
+    if arrivals.numel() < tokens * kv_heads or arrivals.dtype != torch.int32 or arrivals.device != qkv.device:
+        raise ValueError(f"arrivals must hold at least {tokens * kv_heads} int32 counters on {qkv.device}")
+    if tables.dtype != torch.int64 or write_index.dtype != torch.int64:
+        raise ValueError("block tables and write indices must be int64 (cache offsets are computed from them)")
     if len(prefetch) > 4:
         raise ValueError(f"decode_attention prefetches at most four tensors, got {len(prefetch)}")
     qk_norm = q_norm is not None
