@@ -17,8 +17,9 @@ then decodes together. Per run:
   head) and each sequence's K/V at the mean decode context `prompt_len + gen_len / 2`.
 
 Engine variants: the module-by-module decode step (`torch`) eager and under CUDA graphs (one per batch
-bucket), the Triton decode kernels (`triton`, the default on CUDA) under CUDA graphs, and with `--compile`
-the module step compiled (dynamic shapes) under CUDA graphs. The table comes last.
+bucket), the Triton decode kernels (`triton`, the default on CUDA) under CUDA graphs, with and without
+overlapped steps (`overlap_steps`: a step launched before the host reads the last one's tokens), and with
+`--compile` the module step compiled (dynamic shapes) under CUDA graphs. The table comes last.
 """
 
 from __future__ import annotations
@@ -156,21 +157,22 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     prompts = torch.randint(0, shape.vocab, (max(batches), args.prompt_len), generator=generator)
     model = build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0)
     context = args.prompt_len + args.gen_len
-    variants = [("torch eager", False, False, "torch")]
+    torch_step, triton_step = {"decode_kernels": "torch"}, {"decode_kernels": "triton", "cuda_graphs": True}
+    variants = [("torch eager", {**torch_step, "cuda_graphs": False})]
     if device.type == "cuda":
-        variants += [("torch cuda graphs", True, False, "torch"), ("triton cuda graphs", True, False, "triton")]
-        variants += [("torch cuda graphs + compile", True, True, "torch")] if args.compile else []
-    for label, graphs, compile, kernels in variants:
+        variants += [("torch cuda graphs", {**torch_step, "cuda_graphs": True}), ("triton cuda graphs", triton_step)]
+        variants += [("triton cuda graphs, no overlap", {**triton_step, "overlap_steps": False})]
+        variants += [("torch cuda graphs + compile", {**torch_step, "compile": True})] if args.compile else []
+    for label, overrides in variants:
+        graphs = overrides.get("cuda_graphs", True)
         config = InferenceConfig(
             seq_len=context,
             block_size=BLOCK_SIZE,
             kv_cache_blocks=max(batches) * -(-context // BLOCK_SIZE) + 8,
             max_running=max(batches),
             max_prefill_tokens=max(batches) * args.prompt_len,
-            cuda_graphs=graphs,
             cuda_graph_batch_sizes=batches,
-            compile=compile,
-            decode_kernels=kernels,
+            **overrides,
         )
         engine = Engine(model, config).start()
         try:

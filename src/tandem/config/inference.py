@@ -47,6 +47,8 @@ class InferenceConfig(RunConfig):
     """Batch-size buckets decode steps are padded to for CUDA graphs; larger steps run eagerly."""
     decode_kernels: Literal["auto", "torch", "triton"] = "auto"
     """Decode step: triton (a layer in ~12 kernels, K/V read in place), torch (module by module), auto (triton on CUDA)."""
+    overlap_steps: bool = True
+    """Launch a decode step before the host reads the previous one's tokens (greedy/whole-vocabulary sampling)."""
     compile: bool = False
     """torch.compile the module-by-module decode step (decode_kernels = torch); adds compile time at start-up."""
     max_logprobs: int = Field(20, ge=0)

@@ -60,13 +60,21 @@ class GraphedDecoder:
         self._graphs: dict[tuple[int, int], _Graph | None] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, tokens: Sequence[int], lengths: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def __call__(
+        self,
+        tokens: Sequence[int],
+        lengths: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        device_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rows = next((b for b in self.batch_sizes if b >= len(tokens)), None)
         width = next(w for w in self.widths if w >= max(len(table) for table in tables))
         graph = None if rows is None else self._graph(rows, width)
         if graph is None:
-            return self.eager(tokens, lengths, tables)
+            return self.eager(tokens, lengths, tables, device_tokens)
         graph.inputs.copy_(decode_inputs(tokens, lengths, tables, rows, width))
+        if device_tokens is not None:
+            graph.inputs[: len(tokens), 0].copy_(device_tokens)
         graph.graph.replay()
         return graph.logits[: len(tokens)]
 

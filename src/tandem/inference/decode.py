@@ -57,12 +57,23 @@ StepFunction = Callable[[CausalLM, KVCache, torch.Tensor], torch.Tensor]
 
 
 class EagerDecoder:
-    """Decode steps run op by op, sized to the step (any device)."""
+    """Decode steps run op by op, sized to the step (any device).
+
+    `device_tokens` (`[N]` on the device), when given, replace `tokens`: the ids the previous step sampled
+    and the host has not read yet (`engine.py` overlaps steps)."""
 
     def __init__(self, model: CausalLM, cache: KVCache, step: StepFunction = decode_step) -> None:
         self.model, self.cache, self.step = model, cache, step
 
-    def __call__(self, tokens: Sequence[int], lengths: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def __call__(
+        self,
+        tokens: Sequence[int],
+        lengths: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        device_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         width = max(len(table) for table in tables)
         inputs = decode_inputs(tokens, lengths, tables, len(tokens), width).to(self.cache.device)
+        if device_tokens is not None:
+            inputs[: len(tokens), 0] = device_tokens
         return self.step(self.model, self.cache, inputs)

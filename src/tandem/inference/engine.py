@@ -6,6 +6,12 @@ every running sequence (`decode.py`, under CUDA graphs when enabled), and one sa
 token of every sequence that has its whole context cached (`sampling.py`). Tokens are then recorded with
 their logprob, mask and policy version, stop conditions are checked, and updates go to the requests.
 
+With `overlap_steps`, a decode step whose rows all sample from the whole vocabulary leaves its tokens on the
+device: the next step, when it decodes exactly the same sequences, is launched with those tokens as inputs
+before the host reads them, so scheduling, recording and stop checks run while the GPU computes. Each token
+is recorded one step late; a sequence that stopped has its extra token dropped. Anything else (new requests,
+prefill, a full cache, a command, a sequence at its last token) lands the step in flight first.
+
 Only the engine thread touches the model, the cache and the scheduler. Other threads send commands
 (`submit`, `cancel`, `pause`, `resume`, `swap_weights`, `stop`) through a queue that is drained between
 steps, so a weight swap happens between two steps: in-flight requests pause, the weights change in place,
@@ -65,6 +71,8 @@ class EngineStats:
     requests_aborted: int
     preemptions: int
     steps: int
+    overlapped_steps: int
+    """Decode steps launched before the host read the previous step's tokens (`overlap_steps`)."""
     policy_version: int
     paused: bool
 
@@ -92,6 +100,37 @@ class Collector:
         self.finished = update.finished
         self.error = update.error or self.error
         return update.samples
+
+
+@dataclass
+class InFlight:
+    """A decode step sampled on the device that the host has not recorded yet: the next step's input tokens,
+    and a copy of tokens and logprobs on its way to host memory."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    """`[R]` on the device, in `seqs` order."""
+    host: torch.Tensor
+    """`[2, R]` float64: tokens, logprobs (pinned memory on CUDA, filled without blocking)."""
+    copied: torch.cuda.Event | None
+    version: int
+
+    @classmethod
+    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> InFlight:
+        values = torch.stack((tokens.double(), logprobs.double()))
+        if not tokens.is_cuda:
+            return cls(seqs, tokens, values, None, version)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(seqs, tokens, host, copied, version)
+
+    def results(self) -> tuple[list[int], list[float]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, logprobs = self.host.tolist()
+        return [int(token) for token in tokens], logprobs
 
 
 class Engine:
@@ -128,6 +167,7 @@ class Engine:
         self.usable_blocks = num_blocks - 1 - self.scheduler.watermark
         self.decoder = self._decoder()
         self.sampler = Sampler()
+        self.in_flight: InFlight | None = None
         self.version = 0
         self.paused = False
         self.error: str | None = None
@@ -137,7 +177,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._rate: deque[tuple[float, int]] = deque()
         self._rate_lock = threading.Lock()
-        self._counts = {"generated": 0, "prompt": 0, "finished": 0, "aborted": 0, "steps": 0}
+        self._counts = {"generated": 0, "prompt": 0, "finished": 0, "aborted": 0, "steps": 0, "overlapped": 0}
         self.gauges = Gauges()
 
     def _decoder(self) -> EagerDecoder | GraphedDecoder:
@@ -285,6 +325,7 @@ class Engine:
             requests_aborted=self._counts["aborted"],
             preemptions=self.scheduler.preemptions,
             steps=self._counts["steps"],
+            overlapped_steps=self._counts["overlapped"],
             policy_version=self.version,
             paused=self.paused,
         )
@@ -357,16 +398,18 @@ class Engine:
     def _loop(self) -> None:
         failures = 0
         while not self._stopping:
-            idle = self.paused or not self._requests
-            self._drain(block=idle)
-            if self._stopping or self.paused or not self._requests:
+            self._drain(block=(self.paused or not self._requests) and self.in_flight is None)
+            if self._stopping:
                 continue
             try:
-                if not self._step():
+                if self.paused or not self._requests:
+                    self._land()  # the step in flight, if any; then idle until a command comes
+                elif not self._step():
                     self._drain(block=True, timeout=0.01)
                 failures = 0
             except Exception as error:
                 failures += 1
+                self.in_flight = None
                 logger.exception("engine step failed; aborting the requests in flight")
                 for request_id in list(self._requests):
                     self._abort(request_id, f"engine step failed: {type(error).__name__}: {error}")
@@ -419,9 +462,16 @@ class Engine:
         return time.monotonic() - started
 
     def _step(self) -> bool:
+        previous = self.in_flight
+        if previous is not None and not self._continues(previous):
+            self._land()
+            previous = None
         plan = self.scheduler.schedule()
         if not plan:
+            self._land()
             return False
+        if previous is not None and plan.decode != previous.seqs:
+            raise RuntimeError("an overlapped decode step must run the sequences of the step in flight")
         version = self.version
         logits: list[torch.Tensor] = []
         ready: list[Sequence] = []
@@ -431,20 +481,60 @@ class Engine:
                 logits.append(prefill_logits)
                 ready += prefill_ready
         if plan.decode:
-            logits.append(self._decode(plan.decode))
+            logits.append(self._decode(plan.decode, None if previous is None else previous.tokens))
             ready += plan.decode
         if ready:
             batch = SamplingBatch.build(
                 [seq.request.params for seq in ready],
                 [seq.request.seed for seq in ready],
                 [seq.sample for seq in ready],
-                [len(seq.record.token_ids) for seq in ready],
+                [len(seq.tokens) - len(seq.request.prompt) for seq in ready],  # tokens generated, in flight too
                 self.device,
             )
-            sampled = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], batch)
-            self._record(ready, sampled.tokens, sampled.logprobs, sampled.kept, sampled.top, version)
+            all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+            if self.config.overlap_steps and not plan.prefill and batch.stays_on_device:
+                self.in_flight = InFlight.launch(ready, *self.sampler.on_device(all_logits, batch), version)
+                for seq in ready:
+                    seq.tokens.append(0)  # its place: the next step reads the token from the device
+                if previous is not None:
+                    self._counts["overlapped"] += 1
+                    self._record_in_flight(previous)  # while the GPU runs the step just launched
+            else:
+                sampled = self.sampler(all_logits, batch)
+                self._land()
+                self._record(ready, sampled.tokens, sampled.logprobs, sampled.kept, sampled.top, version)
         self._counts["steps"] += 1
         return True
+
+    def _continues(self, previous: InFlight) -> bool:
+        """Whether the next step can run on `previous`'s tokens unread: it decodes exactly `previous`'s sequences
+        (nothing waits, no cache block runs out, none is at its last token), so no plan depends on them."""
+        scheduler, block_size = self.scheduler, self.config.block_size
+        if scheduler.waiting or scheduler.running != previous.seqs:
+            return False
+        growing = sum(seq.num_cached + 1 > len(seq.blocks) * block_size for seq in previous.seqs)
+        if growing > scheduler.allocator.num_free:
+            return False
+        return all(
+            len(seq.record.token_ids) + 2 <= seq.request.max_tokens
+            and len(seq.request.prompt) + len(seq.record.token_ids) + 2 <= self.max_model_len
+            for seq in previous.seqs
+        )
+
+    def _land(self) -> None:
+        """Record the step in flight, if any."""
+        if self.in_flight is not None:
+            self._record_in_flight(self.in_flight)
+
+    def _record_in_flight(self, step: InFlight) -> None:
+        if self.in_flight is step:
+            self.in_flight = None
+        tokens, logprobs = step.results()
+        live = [row for row, seq in enumerate(step.seqs) if seq.record.finish_reason is None]  # not stopped since
+        seqs = [step.seqs[row] for row in live]
+        self._record(
+            seqs, [tokens[row] for row in live], [logprobs[row] for row in live], [None] * len(live), None, step.version
+        )
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the step's prompt chunks; returns logits rows for the sequences now ready to sample."""
@@ -469,10 +559,9 @@ class Engine:
             ready += group
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], ready
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        logits = self.decoder(
-            [seq.tokens[-1] for seq in seqs], [seq.num_cached for seq in seqs], [seq.blocks for seq in seqs]
-        )
+    def _decode(self, seqs: list[Sequence], device_tokens: torch.Tensor | None) -> torch.Tensor:
+        tokens = [seq.tokens[-1] for seq in seqs]  # a place-holder where `device_tokens` has the token
+        logits = self.decoder(tokens, [seq.num_cached for seq in seqs], [seq.blocks for seq in seqs], device_tokens)
         for seq in seqs:
             seq.num_cached += 1
         return logits
@@ -501,7 +590,11 @@ class Engine:
             params = request.params
             if request.first_token_at is None:
                 request.first_token_at = now
-            seq.tokens.append(token)
+            place = len(request.prompt) + len(record.token_ids)  # tokens in flight hold a place after it
+            if place < len(seq.tokens):
+                seq.tokens[place] = token
+            else:
+                seq.tokens.append(token)
             record.token_ids.append(token)
             record.logprobs.append(logprobs[row])
             record.versions.append(version)
@@ -533,7 +626,8 @@ class Engine:
             seq.record.text = seq.detokenizer.text
             if stopped:
                 return "stop", seq.detokenizer.stopped_by
-        if len(seq.record.token_ids) >= seq.request.max_tokens or len(seq.tokens) >= self.max_model_len:
+        generated = len(seq.record.token_ids)
+        if generated >= seq.request.max_tokens or len(seq.request.prompt) + generated >= self.max_model_len:
             return "length", None
         return None
 

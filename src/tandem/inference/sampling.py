@@ -84,6 +84,11 @@ class SamplingBatch:
     top_width: int  # the largest top_logprobs asked for (0: none)
     top_k_width: int  # sort width for the truncated rows: max top_k when all of them set top_k, else 0 (all)
 
+    @property
+    def stays_on_device(self) -> bool:
+        """Every row samples from the whole vocabulary and none asks for top logprobs: `Sampler.on_device`."""
+        return not self.truncated and not self.top_width
+
     @classmethod
     def build(
         cls,
@@ -142,14 +147,34 @@ def _take(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return values if index is None else values[index]
 
 
+def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """fp32 logits over each row's temperature (greedy rows: over 1)."""
+    temperature = batch.temperature
+    return logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+
+
+def _draw_whole_vocab(
+    z: torch.Tensor, batch: SamplingBatch, index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, logprobs, the rows' tempered logits, their logsumexp) for rows `index` (None: all) of `z` that
+    sample from the whole vocabulary."""
+    z = _take(z, index)
+    pick = z
+    if batch.any_sampled_plain:
+        ids = torch.arange(z.shape[1], device=z.device)
+        noise = gumbel_noise(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index), ids)
+        pick = torch.where(_take(batch.temperature, index)[:, None] > 0, z + noise, z)
+    tokens = pick.argmax(dim=-1)
+    lse = z.logsumexp(dim=-1)
+    return tokens, z.gather(1, tokens[:, None])[:, 0] - lse, z, lse
+
+
 class Sampler:
     """Samples the next token of every row of `[R, V]` logits in a few batched tensor ops per row group."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         rows, vocab = logits.shape
-        logits = logits.float()
-        temperature = batch.temperature
-        z = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        z = _tempered(logits, batch)
         out = Sampled([0] * rows, [0.0] * rows, [None] * rows, [[] for _ in range(rows)] if batch.top_width else None)
         if batch.plain:
             self._whole_vocab(z, batch, out)
@@ -157,18 +182,20 @@ class Sampler:
             self._truncated(z, batch, out, vocab)
         return out
 
+    def on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and logprobs `[R]` for a batch of whole-vocabulary rows without top logprobs
+        (`batch.stays_on_device`), left on the device: nothing waits for the GPU."""
+        if not batch.stays_on_device:
+            raise ValueError(
+                "only rows that sample from the whole vocabulary, without top logprobs, stay on the device"
+            )
+        tokens, logprobs, _, _ = _draw_whole_vocab(_tempered(logits, batch), batch, None)
+        return tokens, logprobs
+
     def _whole_vocab(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled) -> None:
         rows = batch.plain
         index = torch.tensor(rows, device=z.device) if len(rows) < z.shape[0] else None
-        z = _take(z, index)
-        pick = z
-        if batch.any_sampled_plain:
-            ids = torch.arange(z.shape[1], device=z.device)
-            noise = gumbel_noise(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index), ids)
-            pick = torch.where(_take(batch.temperature, index)[:, None] > 0, z + noise, z)
-        tokens = pick.argmax(dim=-1)
-        lse = z.logsumexp(dim=-1)
-        logprobs = z.gather(1, tokens[:, None])[:, 0] - lse
+        tokens, logprobs, z, lse = _draw_whole_vocab(z, batch, index)
         top = z.topk(batch.top_width, dim=-1) if batch.top_width else None
         self._store(out, rows, tokens, logprobs, top, lse, None)
 

@@ -316,6 +316,12 @@ class InferenceServer:
             ),
             ("preemptions_total", "counter", "sequences preempted for KV-cache room", stats.preemptions),
             ("engine_steps_total", "counter", "engine steps", stats.steps),
+            (
+                "overlapped_steps_total",
+                "counter",
+                "decode steps launched before the last one's tokens were read",
+                stats.overlapped_steps,
+            ),
             ("policy_version", "gauge", "policy version of the current weights", stats.policy_version),
             ("paused", "gauge", "1 while paused", int(stats.paused)),
         ]
