@@ -52,6 +52,14 @@ def decode_inputs(
     return torch.tensor(data, dtype=torch.int64)
 
 
+def copy_to_device(host: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out.copy_(host)` without waiting for the GPU: a copy from pageable memory makes the host wait until
+    every queued kernel has run, which would undo overlapped steps; from pinned memory it does not."""
+    if out.is_cuda:
+        return out.copy_(host.pin_memory(), non_blocking=True)
+    return out.copy_(host)
+
+
 StepFunction = Callable[[CausalLM, KVCache, torch.Tensor], torch.Tensor]
 """`decode_step`, or a compiled version of it."""
 
@@ -73,7 +81,8 @@ class EagerDecoder:
         device_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         width = max(len(table) for table in tables)
-        inputs = decode_inputs(tokens, lengths, tables, len(tokens), width).to(self.cache.device)
+        host = decode_inputs(tokens, lengths, tables, len(tokens), width)
+        inputs = copy_to_device(host, torch.empty_like(host, device=self.cache.device))
         if device_tokens is not None:
             inputs[: len(tokens), 0] = device_tokens
         return self.step(self.model, self.cache, inputs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.inference.decode import copy_to_device
 from tandem.inference.protocol import SamplingParams
 
 _MIX = (0x21F0AAAD, 0x735A2D97)  # below 2**31, so products with 32-bit values never overflow int64
@@ -110,8 +111,8 @@ class SamplingBatch:
             else:
                 plain.append(row)
                 any_sampled_plain |= p.temperature > 0
-        f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
-        i = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+        f, i = torch.tensor(floats, dtype=torch.float32), torch.tensor(ints, dtype=torch.int64)
+        f, i = (copy_to_device(t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in (f, i))
         return cls(
             temperature=f[:, 0],
             top_p=f[:, 1],
