@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.inference.decode import EagerDecoder, StepFunction, copy_to_device, decode_inputs, decode_step
+from tandem.inference.decode import EagerDecoder, StepFunction, decode_step, write_inputs
 from tandem.models import CausalLM, KVCache
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ class GraphedDecoder:
         graph = None if rows is None else self._graph(rows, width)
         if graph is None:
             return self.eager(tokens, lengths, tables, device_tokens)
-        copy_to_device(decode_inputs(tokens, lengths, tables, rows, width), graph.inputs)
-        if device_tokens is not None:
-            graph.inputs[: len(tokens), 0].copy_(device_tokens)
+        write_inputs(graph.inputs, tokens, lengths, tables, device_tokens)
         graph.graph.replay()
         return graph.logits[: len(tokens)]
 

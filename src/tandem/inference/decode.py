@@ -60,15 +60,27 @@ def copy_to_device(host: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(host)
 
 
+def write_inputs(
+    out: torch.Tensor,
+    tokens: Sequence[int],
+    lengths: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    device_tokens: torch.Tensor | None,
+) -> torch.Tensor:
+    """Fill the device tensor `out` `[rows, 2 + W]` with `decode_inputs`; `device_tokens` (`[N]` on the device),
+    when given, replace `tokens`: the ids the previous step sampled that the host has not read yet."""
+    copy_to_device(decode_inputs(tokens, lengths, tables, out.shape[0], out.shape[1] - 2), out)
+    if device_tokens is not None:
+        out[: len(tokens), 0].copy_(device_tokens)
+    return out
+
+
 StepFunction = Callable[[CausalLM, KVCache, torch.Tensor], torch.Tensor]
 """`decode_step`, or a compiled version of it."""
 
 
 class EagerDecoder:
-    """Decode steps run op by op, sized to the step (any device).
-
-    `device_tokens` (`[N]` on the device), when given, replace `tokens`: the ids the previous step sampled
-    and the host has not read yet (`engine.py` overlaps steps)."""
+    """Decode steps run op by op, sized to the step (any device); `device_tokens` as in `write_inputs`."""
 
     def __init__(self, model: CausalLM, cache: KVCache, step: StepFunction = decode_step) -> None:
         self.model, self.cache, self.step = model, cache, step
@@ -81,8 +93,5 @@ class EagerDecoder:
         device_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         width = max(len(table) for table in tables)
-        host = decode_inputs(tokens, lengths, tables, len(tokens), width)
-        inputs = copy_to_device(host, torch.empty_like(host, device=self.cache.device))
-        if device_tokens is not None:
-            inputs[: len(tokens), 0] = device_tokens
-        return self.step(self.model, self.cache, inputs)
+        inputs = torch.empty(len(tokens), 2 + width, dtype=torch.int64, device=self.cache.device)
+        return self.step(self.model, self.cache, write_inputs(inputs, tokens, lengths, tables, device_tokens))
