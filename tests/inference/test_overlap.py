@@ -1,6 +1,7 @@
 """Overlapped decode steps (`overlap_steps`): a step launched on the previous step's tokens before the host has
 read them gives the same tokens, logprobs, finish reasons and versions as steps that read every token first,
-through lengths, stop tokens and strings, the context limit, mixed sampling, n > 1 and preemption."""
+through lengths, stop tokens and strings, the context limit, mixed sampling, n > 1, preemption, a queue, and a
+cancel, pause or stop while a step is in flight."""
 
 from __future__ import annotations
 
@@ -86,6 +87,11 @@ def test_overlapped_steps_at_the_context_limit_and_under_preemption(make_engine)
     jobs = [(p, greedy.model_copy(update={"max_tokens": 20}), 1) for p in prompts]
     _assert_same(*[_serve(engine, jobs) for engine in tight])
     assert tight[0].stats().preemptions > 0 and tight[0].stats().overlapped_steps > 0
+    # two at a time: requests queue, but a queue that cannot join the batch does not stop the overlap
+    pairs = [make_engine(max_running=2, overlap_steps=on) for on in (True, False)]
+    _assert_same(*[_serve(engine, jobs) for engine in pairs])
+    stats = pairs[0].stats()
+    assert stats.overlapped_steps > stats.steps / 2, f"{stats.overlapped_steps} of {stats.steps} steps overlapped"
 
 
 def test_a_stop_found_while_the_next_step_is_in_flight_drops_that_step(make_engine):
@@ -113,3 +119,51 @@ def test_a_stop_found_while_the_next_step_is_in_flight_drops_that_step(make_engi
         assert overlapped.stats().overlapped_steps - before >= len(want[0][0][0]) - 2, (
             "every step but the first overlapped"
         )
+
+
+def _stepped(model_dir, **overrides) -> Engine:
+    """An engine whose thread never starts: commands run at once and the test calls `_step` itself."""
+    from inference_support import engine_config
+
+    from tandem.models import load_model
+
+    path = model_dir("qwen3")
+    engine = Engine(load_model(path, dtype=torch.float32, device="cpu"), engine_config(path, device="cpu", **overrides))
+    engine._send = lambda command: command()
+    return engine
+
+
+def test_cancel_pause_and_stop_keep_the_tokens_of_the_step_in_flight(model_dir):
+    """Driven step by step: after k steps a request has k tokens, overlapped or not, whether it is then
+    cancelled, the engine paused, or stopped; an n = 3 request with a one-token prompt forks and finishes."""
+    params = SamplingParams(temperature=1.0, max_tokens=30, seed=7, ignore_eos=True)
+    prompt = list(range(5, 17))
+    for ending in ("cancel", "pause", "stop"):
+        outputs = []
+        for overlap in (True, False):
+            engine = _stepped(model_dir, overlap_steps=overlap)
+            collector = Collector(3)
+            request_id = engine.submit(prompt, params, collector.add, n=3)
+            with torch.inference_mode():
+                for _ in range(5):
+                    assert engine._step()
+                assert (engine.in_flight is not None) == overlap
+                if ending == "cancel":
+                    engine._abort(request_id)
+                elif ending == "pause":
+                    engine._pause()
+                    engine._abort(request_id)  # what is recorded by now is what pausing kept
+                else:
+                    engine._stopping = True
+                    engine._run()
+            assert engine.in_flight is None and collector.finished
+            outputs.append([(s.token_ids, s.finish_reason) for s in collector.samples])
+        assert outputs[0] == outputs[1], ending
+        assert all(len(tokens) == 5 and finish == "abort" for tokens, finish in outputs[0]), ending
+    engine = _stepped(model_dir)
+    collector = Collector(3)
+    engine.submit([9], SamplingParams(temperature=1.0, max_tokens=4, seed=1, ignore_eos=True), collector.add, n=3)
+    with torch.inference_mode():
+        for _ in range(20):
+            engine._step() if engine._requests else None
+    assert collector.finished and [len(s.token_ids) for s in collector.samples] == [4, 4, 4]

@@ -123,7 +123,7 @@ class InFlight:
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(tokens.device))
         return cls(seqs, tokens, host, copied, version)
 
     def results(self) -> tuple[list[int], list[float]]:
@@ -264,7 +264,7 @@ class Engine:
 
     def pause(self) -> Future[None]:
         """Stop stepping (requests stay queued or in the batch with their cache); resolves once no step runs."""
-        return self._call(lambda: setattr(self, "paused", True))
+        return self._call(self._pause)
 
     def resume(self) -> Future[None]:
         return self._call(lambda: setattr(self, "paused", False))
@@ -385,6 +385,8 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            if self.device.type == "cuda":  # graphs, Triton launches and events go to this device's streams
+                torch.cuda.set_device(self.device)
             with torch.inference_mode():
                 self._loop()
         except BaseException as error:
@@ -392,6 +394,10 @@ class Engine:
             logger.exception(self.error)
         finally:
             self._drain(block=False)  # commands sent before `stop()`: their requests are aborted below
+            try:
+                self._land()  # tokens already computed reach their requests before the aborts
+            except Exception:
+                logger.exception("could not record the last decode step")
             for request_id in list(self._requests):
                 self._abort(request_id, self.error or "the engine stopped")
 
@@ -443,12 +449,20 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None:
             return
+        if self.in_flight is not None and any(seq.request is request for seq in self.in_flight.seqs):
+            self._land()  # its tokens already computed are kept
+            if request_id not in self._requests:  # they finished it
+                return
         self.scheduler.abort(request)
         for seq in request.sequences:
             if seq.record.finish_reason is None:
                 seq.record.finish_reason = "abort"
         self._counts["aborted"] += 1
         self._emit(request, error)
+
+    def _pause(self) -> None:
+        self.paused = True
+        self._land()  # so a paused engine has recorded every token it sampled
 
     def _swap(self, tensors: dict[str, torch.Tensor], version: int) -> float:
         started = time.monotonic()
@@ -494,8 +508,11 @@ class Engine:
             all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
             if self.config.overlap_steps and not plan.prefill and batch.stays_on_device:
                 self.in_flight = InFlight.launch(ready, *self.sampler.on_device(all_logits, batch), version)
+                now = time.monotonic()
                 for seq in ready:
                     seq.tokens.append(0)  # its place: the next step reads the token from the device
+                    if seq.request.first_token_at is None:
+                        seq.request.first_token_at = now
                 if previous is not None:
                     self._counts["overlapped"] += 1
                     self._record_in_flight(previous)  # while the GPU runs the step just launched
@@ -508,12 +525,13 @@ class Engine:
 
     def _continues(self, previous: InFlight) -> bool:
         """Whether the next step can run on `previous`'s tokens unread: it decodes exactly `previous`'s sequences
-        (nothing waits, no cache block runs out, none is at its last token), so no plan depends on them."""
+        (no waiting request can join, no cache block runs out, none is at its last token), so no plan depends on
+        them."""
         scheduler, block_size = self.scheduler, self.config.block_size
-        if scheduler.waiting or scheduler.running != previous.seqs:
+        if scheduler.running != previous.seqs:
             return False
         growing = sum(seq.num_cached + 1 > len(seq.blocks) * block_size for seq in previous.seqs)
-        if growing > scheduler.allocator.num_free:
+        if growing > scheduler.allocator.num_free or scheduler.admits_next(reserved_blocks=growing):
             return False
         return all(
             len(seq.record.token_ids) + 2 <= seq.request.max_tokens
@@ -531,6 +549,8 @@ class Engine:
             self.in_flight = None
         tokens, logprobs = step.results()
         live = [row for row, seq in enumerate(step.seqs) if seq.record.finish_reason is None]  # not stopped since
+        if not live:
+            return
         seqs = [step.seqs[row] for row in live]
         self._record(
             seqs, [tokens[row] for row in live], [logprobs[row] for row in live], [None] * len(live), None, step.version

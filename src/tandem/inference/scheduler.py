@@ -162,19 +162,28 @@ class Scheduler:
                 plan.prefill.append((seq, take))
                 budget -= take
             index += 1
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            slots = 1 + seq.request.unforked if seq.sample == 0 else 1
+        while self.waiting and budget > 0 and self._fits(self.waiting[0], budget):
+            seq = self.waiting.popleft()
             take = min(seq.pending, budget)
-            needed = self._blocks_for(take) + (slots - 1)
-            if len(self.running) + slots > self.max_running or self.allocator.num_free - needed < self.watermark:
-                break
-            self.waiting.popleft()
             seq.blocks = self.allocator.allocate(self._blocks_for(take))
             self.running.append(seq)
-            (plan.decode.append(seq) if seq.pending == 1 else plan.prefill.append((seq, take)))
+            if seq.pending == 1 and not seq.request.unforked:
+                plan.decode.append(seq)
+            else:  # a prompt, or a one-token prompt still to fork into its samples (prefill forks them)
+                plan.prefill.append((seq, take))
             budget -= take
         return plan
+
+    def _fits(self, seq: Sequence, budget: int, reserved_blocks: int = 0) -> bool:
+        """Whether waiting `seq` can join now (with `budget` prompt tokens to prefill, `reserved_blocks` taken)."""
+        slots = 1 + seq.request.unforked if seq.sample == 0 else 1
+        needed = self._blocks_for(min(seq.pending, budget)) + (slots - 1)
+        free = self.allocator.num_free - reserved_blocks - needed
+        return len(self.running) + slots <= self.max_running and free >= self.watermark
+
+    def admits_next(self, reserved_blocks: int = 0) -> bool:
+        """Whether the next step would admit a waiting sequence, `reserved_blocks` free blocks being taken first."""
+        return bool(self.waiting) and self._fits(self.waiting[0], self.max_prefill_tokens, reserved_blocks)
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
