@@ -9,8 +9,9 @@ their logprob, mask and policy version, stop conditions are checked, and updates
 With `overlap_steps`, a decode step whose rows all sample from the whole vocabulary leaves its tokens on the
 device: the next step, when it decodes exactly the same sequences, is launched with those tokens as inputs
 before the host reads them, so scheduling, recording and stop checks run while the GPU computes. Each token
-is recorded one step late; a sequence that stopped has its extra token dropped. Anything else (new requests,
-prefill, a full cache, a command, a sequence at its last token) lands the step in flight first.
+is recorded one step late; a sequence that stopped has its extra token dropped. A waiting request that can
+join, prefill, a cache out of blocks, a sequence at its last token, a cancel, pause or stop, and an idle
+engine land the step in flight first.
 
 Only the engine thread touches the model, the cache and the scheduler. Other threads send commands
 (`submit`, `cancel`, `pause`, `resume`, `swap_weights`, `stop`) through a queue that is drained between
