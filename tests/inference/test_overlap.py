@@ -12,6 +12,13 @@ import torch
 from tandem.inference.engine import Collector, Engine
 from tandem.inference.protocol import SamplingParams
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: pinned copies, events, CUDA graphs
+
+
+def _engine(make_engine, **overrides) -> Engine:
+    sized = {"kv_cache_blocks": 256} if DEVICE == "cuda" else {}  # not 90% of the GPU per engine
+    return make_engine(**{"device": DEVICE, **sized, **overrides})
+
 
 def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
@@ -49,7 +56,7 @@ def _assert_same(got: list[list[tuple]], want: list[list[tuple]]) -> None:
 
 
 def test_overlapped_steps_give_what_reading_every_token_gives(make_engine):
-    overlapped, plain = make_engine(), make_engine(overlap_steps=False)
+    overlapped, plain = _engine(make_engine), _engine(make_engine, overlap_steps=False)
     vocab = plain.vocab_size
     prompts = _prompts(9, vocab, seed=11)
     probe = plain.generate([prompts[5]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0][0]
@@ -78,17 +85,17 @@ def test_overlapped_steps_at_the_context_limit_and_under_preemption(make_engine)
     prompts = _prompts(6, 500, seed=12)
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     # no max_tokens: every sequence runs to the 48-token context
-    short = [make_engine(seq_len=48, overlap_steps=on) for on in (True, False)]
+    short = [_engine(make_engine, seq_len=48, overlap_steps=on) for on in (True, False)]
     jobs = [(p, greedy, 1) for p in prompts]
     _assert_same(*[_serve(engine, jobs) for engine in short])
     assert short[0].stats().overlapped_steps > 0
     # room for about two sequences: most are preempted and recomputed
-    tight = [make_engine(block_size=4, kv_cache_blocks=24, overlap_steps=on) for on in (True, False)]
+    tight = [_engine(make_engine, block_size=4, kv_cache_blocks=24, overlap_steps=on) for on in (True, False)]
     jobs = [(p, greedy.model_copy(update={"max_tokens": 20}), 1) for p in prompts]
     _assert_same(*[_serve(engine, jobs) for engine in tight])
     assert tight[0].stats().preemptions > 0 and tight[0].stats().overlapped_steps > 0
     # two at a time: requests queue, but a queue that cannot join the batch does not stop the overlap
-    pairs = [make_engine(max_running=2, overlap_steps=on) for on in (True, False)]
+    pairs = [_engine(make_engine, max_running=2, overlap_steps=on) for on in (True, False)]
     _assert_same(*[_serve(engine, jobs) for engine in pairs])
     stats = pairs[0].stats()
     assert stats.overlapped_steps > stats.steps / 2, f"{stats.overlapped_steps} of {stats.steps} steps overlapped"
@@ -97,7 +104,7 @@ def test_overlapped_steps_at_the_context_limit_and_under_preemption(make_engine)
 def test_a_stop_found_while_the_next_step_is_in_flight_drops_that_step(make_engine):
     """Alone in the engine every step overlaps, so the step after a stop token (or stop string) is already
     running when the stop is read: its token must not reach the output."""
-    overlapped, plain = make_engine(), make_engine(overlap_steps=False)
+    overlapped, plain = _engine(make_engine), _engine(make_engine, overlap_steps=False)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for prompt in _prompts(20, plain.vocab_size, seed=13):
         ((full,),) = plain.generate([prompt], greedy, detokenize=True)
