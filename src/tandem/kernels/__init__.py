@@ -12,10 +12,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels under its interpreter (TRITON_INTERPRET=1), on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_unavailable_reason(device_type: str) -> str | None:
     """Why Triton kernels cannot run on `device_type` here, or None when they can."""
     if not triton_available():
         return "the triton package is missing"
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device_type != "cuda" and not triton_interpreted():
         return "Triton kernels need CUDA (or TRITON_INTERPRET=1, for tests)"
     return None

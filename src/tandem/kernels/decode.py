@@ -17,17 +17,14 @@ fp32 over tiles of keys, split over programs at small batches (flash-decoding).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import triton_interpreted
 from tandem.kernels.rounding import round_to
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether `triton.jit` made these kernels interpreted (read when they are defined, as Triton reads it)."""
 
 
 @triton.jit
@@ -100,6 +97,24 @@ def _rope(x, x_pair, cos, signed_sin, ROUND: tl.constexpr, dtype: tl.constexpr):
     """x * cos + rotate_half(x) * sin, rounded as eager rounds each product and the sum. `x_pair` is x at the
     other half's position and `signed_sin` is sin negated in the first half: rotate_half(x) = (-hi, lo)."""
     return round_to(round_to(x * cos, ROUND, dtype) + round_to(x_pair * signed_sin, ROUND, dtype), ROUND, dtype)
+
+
+@triton.jit
+def _normed_rotated(
+    row_ptr, cols, mask, norm_ptr, eps, cos, signed_sin, QK_NORM: tl.constexpr, ROUND: tl.constexpr,
+    dtype: tl.constexpr, DIM: tl.constexpr,
+):  # fmt: skip
+    """The heads starting at columns `cols` `[R, 1]` of a fused qkv row, qk-normed (optional) and rotated by
+    `cos` / `signed_sin` `[DIM]` as eager rounds them: fp32 `[R, DIM]` holding values of `dtype`."""
+    dims = tl.arange(0, DIM)
+    pair = (dims + DIM // 2) % DIM  # the other half's position: rotate_half pairs dim i with i +- DIM / 2
+    x = tl.load(row_ptr + cols + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_pair = tl.load(row_ptr + cols + pair[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / DIM + eps)[:, None]
+        x = _norm_scale(x, inv_rms, tl.load(norm_ptr + dims).to(tl.float32)[None, :], ROUND, dtype)
+        x_pair = _norm_scale(x_pair, inv_rms, tl.load(norm_ptr + pair).to(tl.float32)[None, :], ROUND, dtype)
+    return _rope(x, x_pair, cos[None, :], signed_sin[None, :], ROUND, dtype)
 
 
 @triton.jit
@@ -355,21 +370,15 @@ def _decode_attention_kernel(
     dtype = out_ptr.dtype.element_ty
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM)
-    pair = (dims + DIM // 2) % DIM  # the other half's position: rotate_half pairs dim i with i +- DIM / 2
     row_mask = rows < GROUP
     qkv_row = qkv_ptr + seq * num_kv_heads * (GROUP + 2) * DIM  # Hq query heads, then Hkv key and Hkv value heads
     cos = tl.load(cos_ptr + seq * DIM + dims).to(tl.float32)
     signed_sin = tl.where(dims < DIM // 2, -1.0, 1.0) * tl.load(sin_ptr + seq * DIM + dims).to(tl.float32)
     # this KV head's query heads, qk-normed and rotated: one tile's rows
     q_cols = (kv_head * GROUP + rows)[:, None] * DIM
-    x = tl.load(qkv_row + q_cols + dims[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-    x_pair = tl.load(qkv_row + q_cols + pair[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
-    if QK_NORM:
-        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / DIM + eps)[:, None]
-        x_norm = tl.load(q_norm_ptr + dims).to(tl.float32)[None, :]
-        pair_norm = tl.load(q_norm_ptr + pair).to(tl.float32)[None, :]
-        x, x_pair = _norm_scale(x, inv_rms, x_norm, ROUND, dtype), _norm_scale(x_pair, inv_rms, pair_norm, ROUND, dtype)
-    q = _rope(x, x_pair, cos[None, :], signed_sin[None, :], ROUND, dtype).to(dtype)
+    q = _normed_rotated(
+        qkv_row, q_cols, row_mask[:, None], q_norm_ptr, eps, cos, signed_sin, QK_NORM, ROUND, dtype, DIM
+    ).to(dtype)
     # the cached keys of this split; the new token's key (position `length`) is not in the cache yet
     length = tl.load(lengths_ptr + seq)
     first = split * chunk
@@ -379,32 +388,18 @@ def _decode_attention_kernel(
         tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, DIM], tl.float32), DIM, BLOCK_SIZE, KEYS, PRECISION,
     )  # fmt: skip
     if split == length // chunk:  # the split that holds the new key: rotate it, cache it with its value, attend
-        k_col = num_kv_heads * GROUP * DIM + kv_head * DIM
-        k = tl.load(qkv_row + k_col + dims).to(tl.float32)
-        k_pair = tl.load(qkv_row + k_col + pair).to(tl.float32)
-        if QK_NORM:
-            k_inv_rms = tl.math.rsqrt(tl.sum(k * k, axis=0) / DIM + eps)
-            k_weight, k_pair_weight = (
-                tl.load(k_norm_ptr + dims).to(tl.float32),
-                tl.load(k_norm_ptr + pair).to(tl.float32),
-            )
-            k, k_pair = (
-                _norm_scale(k, k_inv_rms, k_weight, ROUND, dtype),
-                _norm_scale(k_pair, k_inv_rms, k_pair_weight, ROUND, dtype),
-            )
-        k = _rope(k, k_pair, cos, signed_sin, ROUND, dtype)
-        v = tl.load(qkv_row + k_col + num_kv_heads * DIM + dims)
+        k_cols = num_kv_heads * GROUP * DIM + kv_head * DIM + tl.zeros([1, 1], tl.int32)  # one row: [1, DIM]
+        k = _normed_rotated(qkv_row, k_cols, k_cols >= 0, k_norm_ptr, eps, cos, signed_sin, QK_NORM, ROUND, dtype, DIM)
+        v = tl.load(qkv_row + k_cols + num_kv_heads * DIM + dims[None, :])
         cache_row = (tl.load(write_index_ptr + seq) * num_kv_heads + kv_head) * DIM
-        tl.store(k_cache_ptr + cache_row + dims, k.to(dtype))
-        tl.store(v_cache_ptr + cache_row + dims, v)
-        score = tl.sum(q.to(tl.float32) * k[None, :], axis=1) * scale
+        tl.store(k_cache_ptr + cache_row + dims[None, :], k.to(dtype))
+        tl.store(v_cache_ptr + cache_row + dims[None, :], v)
+        score = tl.sum(q.to(tl.float32) * k, axis=1) * scale
         new_best = tl.maximum(best, score)
         weight = tl.exp(score - new_best)
         rescale = tl.exp(best - new_best)
         total = total * rescale + weight
-        acc = (
-            acc * rescale[:, None] + round_to(weight, ROUND, dtype)[:, None] * v.to(tl.float32)[None, :]
-        )  # as `_attend`
+        acc = acc * rescale[:, None] + round_to(weight, ROUND, dtype)[:, None] * v.to(tl.float32)  # as `_attend`
         best = new_best
     heads = seq * num_kv_heads * GROUP + kv_head * GROUP + rows
     _store_attention(out_ptr, partial_ptr, stats_ptr, heads, row_mask, split, best, total, acc, SPLITS, DIM)
@@ -545,7 +540,7 @@ def decode_attention(
         qkv, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, cos, sin, k_cache, v_cache, write_index,
         tables, lengths, out, partial, stats, arrivals, tables.stride(0), kv_heads, eps, scale, chunk,
         *(arg for hint in hints for arg in hint), **_tile_flags(qkv, q_heads // kv_heads, dim, block_size, splits),
-        QK_NORM=qk_norm, ROUND=qkv.dtype != torch.float32, PREFETCH=bool(prefetch) and not INTERPRETED,
+        QK_NORM=qk_norm, ROUND=qkv.dtype != torch.float32, PREFETCH=bool(prefetch) and not triton_interpreted(),
         enable_fp_fusion=False, **launch_flags(pdl),
     )  # fmt: skip
     return out
