@@ -481,12 +481,11 @@ class Engine:
         if previous is not None and not self._continues(previous):
             self._land()
             previous = None
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # a step that continues `previous` decodes its sequences: never empty
         if not plan:
-            self._land()
             return False
-        if previous is not None and plan.decode != previous.seqs:
-            raise RuntimeError("an overlapped decode step must run the sequences of the step in flight")
+        if previous is not None and (plan.prefill or plan.decode != previous.seqs):
+            raise RuntimeError("an overlapped decode step must run the sequences of the step in flight, only")
         version = self.version
         logits: list[torch.Tensor] = []
         ready: list[Sequence] = []
@@ -517,9 +516,8 @@ class Engine:
                 if previous is not None:
                     self._counts["overlapped"] += 1
                     self._record_in_flight(previous)  # while the GPU runs the step just launched
-            else:
+            else:  # no `previous` here: its sequences, alone in this step, sample the same way again
                 sampled = self.sampler(all_logits, batch)
-                self._land()
                 self._record(ready, sampled.tokens, sampled.logprobs, sampled.kept, sampled.top, version)
         self._counts["steps"] += 1
         return True
