@@ -6,9 +6,9 @@ the HBM roofline of the same step.
 
 One engine decode step (256-token key capacity, random bf16 weights), module by module (`decode.decode_step`,
 `torch`) and on the Triton decode kernels (`fused_decode.fused_decode_step`, `triton`: at batch 1 on
-tandem's fused GEMVs; `triton-cublas`: on cuBLAS's at every batch; `triton-attn1`: `triton` with qk-norm + RoPE +
-cache write, attention and the split combine as one kernel, `kernels.decode.decode_attention`; `-prefetch`: that
-kernel also asks L2 for the layer's next weights), is profiled eagerly
+tandem's fused GEMVs; `triton-cublas`: on cuBLAS's at every batch; `triton-attn1` / `triton-attn3`: `triton` with
+qk-norm + RoPE + cache write, attention and the split combine as one kernel, `kernels.decode.decode_attention`,
+or as three, at every batch), is profiled eagerly
 with torch.profiler (kernel count and the sum of the kernels' own durations: the GPU work, without launch gaps),
 then captured as a CUDA graph and replayed (wall time per replay). If the replay takes about the summed kernel
 time, the step is bound by its kernels; the roofline is the weights read once over the copy bandwidth measured
@@ -39,7 +39,7 @@ STEPS: dict[str, StepFunction] = {
     "triton": fused_decode_step,
     "triton-cublas": functools.partial(fused_decode_step, one_row_gemv=False),
     "triton-attn1": functools.partial(fused_decode_step, fused_attention=True),
-    "triton-attn1-prefetch": functools.partial(fused_decode_step, fused_attention=True, prefetch_weights=True),
+    "triton-attn3": functools.partial(fused_decode_step, fused_attention=False),
 }
 
 

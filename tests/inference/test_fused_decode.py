@@ -46,13 +46,12 @@ def _clone(cache: KVCache) -> KVCache:
 
 
 ATTENTION = {
-    "three-kernels": {},
+    "three-kernels": {"fused_attention": False},
     "one-kernel": {"fused_attention": True},
-    "one-kernel-prefetch": {"fused_attention": True, "prefetch_weights": True},  # prefetches on CUDA only
 }
 
 
-@pytest.mark.parametrize("attention", [a for a in ATTENTION if DEVICE == "cuda" or "prefetch" not in a])
+@pytest.mark.parametrize("attention", list(ATTENTION))
 @pytest.mark.parametrize("rows", [5, 1], ids=["batched", "one-row"])  # one row: the fused GEMVs (dense models)
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_fused_step_equals_the_module_step_fp32(arch, rows, attention, model_dir):
@@ -116,20 +115,6 @@ def test_one_kernel_attention_equals_the_three(heads, kv_heads, qk_norm, splits)
         torch.testing.assert_close(k_cache, want_k, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
         assert not arrivals.any(), "every launch leaves its arrival counters at zero"
-
-
-def test_prefetch_takes_the_weights_after_attention_in_order_up_to_the_budget(model_dir):
-    from tandem.inference.fused_decode import _weights_after_attention
-
-    layer, after = load_model(model_dir("qwen3"), dtype=torch.float32, device="cpu").layers[:2]
-    o, up, down = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight
-    qkv = after.self_attn.qkv_proj.weight
-    size = [w.numel() * 4 for w in (o, up, down)]
-    plan = _weights_after_attention(layer, after, size[0] + 100)
-    assert [(w.data_ptr(), n) for w, n in plan] == [(o.data_ptr(), size[0]), (up.data_ptr(), 100)]
-    everything = [w.data_ptr() for w, _ in _weights_after_attention(layer, after, 10**12)]
-    assert everything == [w.data_ptr() for w in (o, up, down, qkv)]
-    assert len(_weights_after_attention(layer, None, 10**12)) == 3 and not _weights_after_attention(layer, after, 0)
 
 
 def test_engine_with_fused_decode_gives_the_module_tokens(make_engine):

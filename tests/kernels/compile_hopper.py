@@ -101,8 +101,6 @@ def _launches() -> Iterator[Launch]:
         yield f"decode_attention {label}", decode.decode_attention, attention, pdl
         if dtype == torch.float32:
             continue
-        weights = [(tensors(hidden, heads * dim), 2**20), (tensors(6144, hidden), 2**22)]
-        yield f"decode_attention prefetching {label}", decode.decode_attention, attention, {**pdl, "prefetch": weights}
         yield f"qk_norm_rope_store {label}", decode.qk_norm_rope_store, (qkv, *norms, *rotation, *cache, index), pdl
         yield (
             f"paged_decode_attention {label}",

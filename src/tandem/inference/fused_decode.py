@@ -8,9 +8,10 @@ use the fused SiLU kernel; MoE layers call their module (router and experts), un
 A step of one row (batch 1 of a dense model) runs its projections on tandem's GEMV (`kernels.gemv`), which
 takes the RMSNorm before a projection and the SwiGLU after it into the same kernel: 7 kernels a layer, each
 launched, on Hopper, as a programmatic dependent of the one before (its weights load while that one ends).
-`fused_attention` makes the three attention kernels (qk-norm + RoPE + cache write, attention, split combine)
-one (`kernels.decode.decode_attention`): 5 kernels a layer at batch 1. It stays off until a GPU run shows
-it faster (`benchmarks/decode_profile.py --steps triton triton-attn1`).
+A step of several rows runs qk-norm + RoPE + cache write, attention and the split combine as one kernel
+(`kernels.decode.decode_attention`); a one-row step keeps them as three, which its programmatic dependent
+launches overlap. Measured on the H200 (`benchmarks/decode_profile.py --steps triton triton-attn1
+triton-attn3`): the one kernel is 3-10% faster a step at batch 32 and 4-6% slower at batch 1.
 """
 
 from __future__ import annotations
@@ -51,9 +52,6 @@ class _Step:
     arrivals: torch.Tensor | None
     """`decode_attention`'s split counters, shared by every layer (each launch leaves them zeroed); None: the
     three-kernel attention."""
-    prefetch_bytes: int
-    """How much of the weights read after a layer's attention the one-kernel attention asks L2 for; 0: none."""
-    layers: list[DecoderBlock]
 
 
 def fused_decode_step(
@@ -61,18 +59,14 @@ def fused_decode_step(
     cache: KVCache,
     inputs: torch.Tensor,
     one_row_gemv: bool = True,
-    fused_attention: bool = False,
-    prefetch_weights: bool = False,
+    fused_attention: bool | None = None,
 ) -> torch.Tensor:
     """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row.
 
     `one_row_gemv`: a one-row step of a dense model runs on the fused GEMVs (`kernels.gemv`), not cuBLAS.
     `fused_attention`: qk-norm + RoPE + cache write, attention and the split combine as one kernel
-    (`kernels.decode.decode_attention`) instead of three; off until measured on a GPU. `prefetch_weights` (with
-    it, on CUDA): that kernel asks L2 for the layer's O, gate/up and down weights and the next layer's QKV,
-    up to half the L2."""
-    if prefetch_weights and not fused_attention:
-        raise ValueError("prefetch_weights needs fused_attention: the one-kernel attention issues the prefetches")
+    (`kernels.decode.decode_attention`) instead of three; None: the faster of the two as measured, one kernel
+    unless the step runs on the one-row GEMVs."""
     from tandem.kernels.decode import add_rms_norm, arrival_counters
     from tandem.kernels.gemv import norm_gemv, pdl_supported
 
@@ -84,10 +78,10 @@ def fused_decode_step(
     dense = all(isinstance(layer.mlp, GatedMLP) for layer in model.layers)
     one_row = one_row_gemv and dense and tokens.shape[0] == 1
     pdl = one_row and pdl_supported(residual.device)
+    if fused_attention is None:
+        fused_attention = not one_row
     arrivals = arrival_counters(tokens.shape[0], model.args.num_kv_heads, tokens.device) if fused_attention else None
-    prefetch_bytes = _l2_bytes(residual.device) // 2 if prefetch_weights else 0
-    eps = model.args.rms_norm_eps
-    step = _Step(cos, sin, write_index, tables, lengths, cache, eps, pdl, arrivals, prefetch_bytes, list(model.layers))
+    step = _Step(cos, sin, write_index, tables, lengths, cache, model.args.rms_norm_eps, pdl, arrivals)
     layer_step = _one_row_layer if one_row else _layer
     delta = None
     for index, layer in enumerate(model.layers):
@@ -97,36 +91,11 @@ def fused_decode_step(
     return model.compute_logits(add_rms_norm(delta, residual, model.norm.weight, step.eps))
 
 
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
-
-
-def _weights_after_attention(
-    layer: DecoderBlock, next_layer: DecoderBlock | None, budget: int
-) -> list[tuple[torch.Tensor, int]]:
-    """The weights the kernels after `layer`'s attention read, in their order (its O, gate/up and down
-    projections, then the next layer's QKV), cut to `budget` bytes."""
-    weights = [layer.self_attn.o_proj.weight]
-    if isinstance(layer.mlp, GatedMLP):
-        weights += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    if next_layer is not None:
-        weights.append(next_layer.self_attn.qkv_proj.weight)
-    plan = []
-    for weight in weights:
-        take = min(budget, weight.numel() * weight.element_size())
-        if take <= 0:
-            break
-        plan.append((weight, take))
-        budget -= take
-    return plan
-
-
 def _attention(layer: DecoderBlock, index: int, qkv: torch.Tensor, step: _Step, rows: int) -> torch.Tensor:
     """qk-norm + RoPE + layer `index`'s cache write, then paged attention: `[max(N, rows), Hq * D]`."""
     from tandem.kernels.decode import decode_attention, paged_decode_attention, qk_norm_rope_store
 
     attn = layer.self_attn
-    next_layer = step.layers[index + 1] if index + 1 < len(step.layers) else None
     k_cache, v_cache = step.cache.k[index], step.cache.v[index]
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
@@ -135,7 +104,6 @@ def _attention(layer: DecoderBlock, index: int, qkv: torch.Tensor, step: _Step, 
         return decode_attention(
             qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, tables, lengths, attn.scale,
             min_rows=rows, pdl=pdl, arrivals=step.arrivals,
-            prefetch=_weights_after_attention(layer, next_layer, step.prefetch_bytes),
         )  # fmt: skip
     q = qk_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, step.write_index, pdl=pdl)
     return paged_decode_attention(q, k_cache, v_cache, tables, lengths, attn.scale, min_rows=rows, pdl=pdl)

@@ -17,13 +17,11 @@ fp32 over tiles of keys, split over programs at small batches (flash-decoding).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels import triton_interpreted
 from tandem.kernels.rounding import round_to
 
 
@@ -329,42 +327,12 @@ def _combine_splits_kernel(partial_ptr, stats_ptr, out_ptr, SPLITS: tl.constexpr
 
 
 @triton.jit
-def _prefetch_to_l2(ptr, num_bytes, LINES: tl.constexpr):
-    """Ask L2 for this program's share of the `num_bytes` bytes at `ptr`, 128-byte lines at a time. A hint, not
-    a load: nothing reaches registers and the program does not wait, so the weights of the kernels that come
-    next stream from HBM while this one works on its small inputs."""
-    program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    share = tl.cdiv(tl.cdiv(num_bytes, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)), 128) * 128
-    first = program * share
-    last = tl.minimum(first + share, num_bytes)
-    bytes_ptr = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-    for start in range(first, last, LINES * 128):
-        lines = tl.minimum(start + tl.arange(0, LINES) * 128, last - 1)  # past this program's share: its last line
-        tl.inline_asm_elementwise(
-            "mov.u32 $0, 0; prefetch.global.L2 [$1];",
-            "=r,l",
-            [bytes_ptr + lines],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit
 def _decode_attention_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, write_index_ptr, tables_ptr,
     lengths_ptr, out_ptr, partial_ptr, stats_ptr, arrivals_ptr, table_stride, num_kv_heads, eps, scale, chunk,
-    prefetch_a_ptr, prefetch_a_bytes, prefetch_b_ptr, prefetch_b_bytes, prefetch_c_ptr, prefetch_c_bytes,
-    prefetch_d_ptr, prefetch_d_bytes,
     GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
     SPLITS: tl.constexpr, QK_NORM: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    if PREFETCH:  # the next kernels' weights: no kernel writes them, so before waiting for the previous one
-        _prefetch_to_l2(prefetch_a_ptr, prefetch_a_bytes, 256)
-        _prefetch_to_l2(prefetch_b_ptr, prefetch_b_bytes, 256)
-        _prefetch_to_l2(prefetch_c_ptr, prefetch_c_bytes, 256)
-        _prefetch_to_l2(prefetch_d_ptr, prefetch_d_bytes, 256)
     wait_for_previous_kernel(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = out_ptr.dtype.element_ty
@@ -505,7 +473,6 @@ def decode_attention(
     min_rows: int = 1,
     pdl: bool = False,
     arrivals: torch.Tensor | None = None,
-    prefetch: Sequence[tuple[torch.Tensor, int]] = (),
 ) -> torch.Tensor:
     """`qk_norm_rope_store` and `paged_decode_attention` (with its split combine) as one kernel.
 
@@ -516,11 +483,7 @@ def decode_attention(
     KV head, left at zero for the next launch). `[max(N, min_rows), Hq * D]`, as `paged_decode_attention`.
 
     `arrivals`: zeroed int32 counters, at least N x Hkv, that every launch leaves zeroed, so the layers of a
-    step share one (`arrival_counters`); by default a new one per call.
-
-    `prefetch`: up to four (tensor, bytes) whose first bytes the kernels after this one read (the layer's next
-    projections): on CUDA every program first asks L2 for its share of them, so they stream from HBM while
-    attention runs, which reads little. Keep their sum well below the L2 size. The interpreter ignores it."""
+    step share one (`arrival_counters`); by default a new one per call."""
     q_heads, kv_heads, dim = _qkv_heads(qkv, q_norm, k_norm, k_cache, smallest_dim=16)  # 16: tl.dot's least
     tokens, block_size = qkv.shape[0], k_cache.shape[1]
     chunk, splits = _split_keys(tokens, kv_heads, tables.shape[1] * block_size, qkv.device, splits)
@@ -531,16 +494,11 @@ def decode_attention(
         raise ValueError(f"arrivals must hold at least {tokens * kv_heads} int32 counters on {qkv.device}")
     if tables.dtype != torch.int64 or write_index.dtype != torch.int64:
         raise ValueError("block tables and write indices must be int64 (cache offsets are computed from them)")
-    if len(prefetch) > 4:
-        raise ValueError(f"decode_attention prefetches at most four tensors, got {len(prefetch)}")
     qk_norm = q_norm is not None
-    hints = [(tensor, min(num_bytes, tensor.numel() * tensor.element_size())) for tensor, num_bytes in prefetch]
-    hints += [(qkv, 0)] * (4 - len(hints))
     _decode_attention_kernel[(tokens, kv_heads, splits)](
         qkv, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, cos, sin, k_cache, v_cache, write_index,
         tables, lengths, out, partial, stats, arrivals, tables.stride(0), kv_heads, eps, scale, chunk,
-        *(arg for hint in hints for arg in hint), **_tile_flags(qkv, q_heads // kv_heads, dim, block_size, splits),
-        QK_NORM=qk_norm, ROUND=qkv.dtype != torch.float32, PREFETCH=bool(prefetch) and not triton_interpreted(),
-        enable_fp_fusion=False, **launch_flags(pdl),
+        **_tile_flags(qkv, q_heads // kv_heads, dim, block_size, splits), QK_NORM=qk_norm,
+        ROUND=qkv.dtype != torch.float32, enable_fp_fusion=False, **launch_flags(pdl),
     )  # fmt: skip
     return out
