@@ -64,6 +64,7 @@ class Result:
     seconds: float = 0.0
     error: str = ""
     kernel_us_per_step: dict[str, float] = field(default_factory=dict)  # profile runs: GPU time by kernel
+    step_ms: list[float] = field(default_factory=list)  # each measured step's wall time
 
 
 def _env() -> dict[str, str]:
@@ -122,6 +123,7 @@ def run_tandem(run: Run, work: Path, warmup: int, timeout: float) -> Result:
     mfu = records[-1]["mfu"] or 0.0
     result = Result(run, tokens / seconds, max(r["peak_reserved_gib"] or 0.0 for r in records))
     result.flops_per_token = mfu * PEAK_FLOPS / records[-1]["tokens_per_s"]
+    result.step_ms = [1e3 * r["step_time_s"] for r in records]
     if run.profile:
         result.kernel_us_per_step = _per_step(kernel_times(trace), run.steps - warmup)
     return result
@@ -163,6 +165,7 @@ def run_torchtitan(run: Run, work: Path, warmup: int, timeout: float) -> Result:
     result = Result(run, tokens / sum(run.batch * run.seq_len / r["tps"] for r in records))
     result.peak_reserved_gib = max(r["mem"] for r in records)
     result.flops_per_token = records[-1]["mfu"] / 100 * PEAK_FLOPS / records[-1]["tps"]
+    result.step_ms = [1e3 * run.batch * run.seq_len / r["tps"] for r in records]
     if run.profile:
         (trace,) = (work / run.name).glob("**/rank0_trace.json")
         result.kernel_us_per_step = _per_step(kernel_times(trace), 1)
@@ -196,6 +199,7 @@ def plan(smoke: bool) -> list[Run]:
         ("dense", "-triton-rope", ["--speed.rope-kernel", "triton"]),
         ("dense", "-swiglu-kernel", ["--speed.swiglu-kernel", "torch"]),
         ("dense", "-two-loss-chunks", ["--loss-chunk-size", "8192"]),
+        ("dense", "-scheduled-gc", ["--gc-interval", "0"]),
         ("dense", "-compile", ["--no-compile"]),
         ("moe", "-with-fsdp", ["--speed.fsdp-single-process"]),
         ("moe", "-fused-loss", ["--speed.no-fused-loss"]),
@@ -289,8 +293,11 @@ def main() -> None:
                 result = Result(run, error=f"{type(error).__name__}: {error}")
             result.seconds = time.monotonic() - began
             results.append(result)
+            steps = " ".join(f"{ms:.0f}" for ms in result.step_ms)
             status = (
-                result.error.strip().splitlines()[-1] if result.error.strip() else f"{result.tokens_per_s:,.0f} tok/s"
+                result.error.strip().splitlines()[-1]
+                if result.error.strip()
+                else f"{result.tokens_per_s:,.0f} tok/s; step ms: {steps}"
             )
             print(f"{run.name}: {status} ({result.seconds:.0f} s)", flush=True)
     if args.out:

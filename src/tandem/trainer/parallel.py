@@ -70,13 +70,31 @@ def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str = "f
     return model
 
 
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    model: torch.nn.Module, max_norm: float, optimizer: torch.optim.Optimizer | None = None
+) -> torch.Tensor:
     """Clip the global gradient norm after the last backward of a step; returns the norm before clipping.
 
-    With expert parallelism this also finishes the expert gradients (`expert_parallel.reduce_and_clip`)."""
+    With expert parallelism this also finishes the expert gradients (`expert_parallel.reduce_and_clip`).
+    When `optimizer` is torch's fused Adam/AdamW over unsharded parameters, the clip costs no pass over the
+    gradients: the optimizer's kernel divides each gradient by the clip factor as it reads it (its
+    `grad_scale`, the hook mixed-precision scaling uses), equal to clipping first up to fp32 rounding."""
     if expert_parallel.expert_params(model):
         return expert_parallel.reduce_and_clip(model, max_norm)
+    if optimizer is not None and _scales_gradients(optimizer):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        # clip_grad_norm_ multiplies by max_norm / (norm + 1e-6) when that is below 1; divide by its inverse
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+        return norm
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def _scales_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` divides the gradients by `optimizer.grad_scale` (fused Adam/AdamW, plain tensors)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    fused = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and optimizer.defaults.get("fused")
+    return bool(fused) and not any(isinstance(p, DTensor) for p in params)
 
 
 def full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

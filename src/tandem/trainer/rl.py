@@ -17,6 +17,7 @@ from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
 from tandem.run import prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
+from tandem.trainer.gc_schedule import scheduled_gc
 from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.model import build_training_model
 from tandem.trainer.monitor import Monitor
@@ -83,35 +84,42 @@ def train(config: TrainerConfig) -> int:
     publisher.resumed(start_step)
     monitor = Monitor(config, world, info, start_step)
     try:
-        for step in range(start_step + 1, config.max_steps + 1):
-            waiting = time.monotonic()
-            wait_for_batch(batches, step, config.batch_timeout_s)
-            idle_s = time.monotonic() - waiting  # trainer idle time: waiting for the orchestrator
-            monitor.start_step()
-            micros, header = read_batch(batches, step, world.rank, world.world_size)
-            sums: dict[str, torch.Tensor] = {}
-            for index, micro in enumerate(micros):
-                model.set_requires_gradient_sync(index == len(micros) - 1)
-                loss, metrics = micro_batch_loss(model, micro, config, world.device, current_version=step - 1)
-                # Weights already sum to 1 over the whole batch; FSDP averages over ranks, so undo that.
-                (loss * world.world_size).backward()
-                for name, value in {"loss": loss.detach(), **metrics}.items():
-                    sums[name] = sums.get(name, 0) + value
-            grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            publisher.publish(step)
-            monitor.end_step(
-                step,
-                sums=sums,
-                values={"grad_norm": grad_norm, "lr": lr, "samples": header.get("num_samples", 0), "idle_s": idle_s},
-                real_tokens=header.get("num_tokens", 0),
-                ratios={"mismatch_kl": ("mismatch_kl_sum", "on_policy_weight")},
-            )
-            if config.ckpt.interval and step % config.ckpt.interval == 0:
-                ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
+        with scheduled_gc(config.gc_interval) as after_step:
+            for step in range(start_step + 1, config.max_steps + 1):
+                waiting = time.monotonic()
+                wait_for_batch(batches, step, config.batch_timeout_s)
+                idle_s = time.monotonic() - waiting  # trainer idle time: waiting for the orchestrator
+                monitor.start_step()
+                micros, header = read_batch(batches, step, world.rank, world.world_size)
+                sums: dict[str, torch.Tensor] = {}
+                for index, micro in enumerate(micros):
+                    model.set_requires_gradient_sync(index == len(micros) - 1)
+                    loss, metrics = micro_batch_loss(model, micro, config, world.device, current_version=step - 1)
+                    # Weights already sum to 1 over the whole batch; FSDP averages over ranks, so undo that.
+                    (loss * world.world_size).backward()
+                    for name, value in {"loss": loss.detach(), **metrics}.items():
+                        sums[name] = sums.get(name, 0) + value
+                grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm, optimizer)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                publisher.publish(step)
+                monitor.end_step(
+                    step,
+                    sums=sums,
+                    values={
+                        "grad_norm": grad_norm,
+                        "lr": lr,
+                        "samples": header.get("num_samples", 0),
+                        "idle_s": idle_s,
+                    },
+                    real_tokens=header.get("num_tokens", 0),
+                    ratios={"mismatch_kl": ("mismatch_kl_sum", "on_policy_weight")},
+                )
+                if config.ckpt.interval and step % config.ckpt.interval == 0:
+                    ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
+                after_step(step)
     finally:
         monitor.close()
         publisher.close()

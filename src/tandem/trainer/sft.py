@@ -23,6 +23,7 @@ from tandem.run import atomic_write_text, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_documents, stack
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
+from tandem.trainer.gc_schedule import scheduled_gc
 from tandem.trainer.model import build_training_model, export_hf, kernel_options
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import World, clip_grad_norm_, init_distributed, shutdown_distributed
@@ -134,38 +135,40 @@ def train(config: SftConfig) -> int:
     start_step = ckpt.resume_step(config, model, optimizer, scheduler)
     monitor = Monitor(config, world, info, start_step)
     try:
-        for step in range(start_step, config.max_steps):
-            monitor.start_step()
-            with _sync_check(speed.sync_debug, world.device, active=step > start_step):
-                batch = steps(step)
-                global_loss_tokens = sum(int(row.loss_mask.sum()) for row in batch)
-                mine = balance(batch, world.world_size)[world.rank]
-                loss_sum = torch.zeros((), device=world.device)
-                for micro in range(micro_steps):
-                    rows = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-                    if isinstance(model, FSDPModule):  # not with speed.fsdp_single_process off
-                        model.set_requires_gradient_sync(micro == micro_steps - 1)
-                    nll = _micro_batch_nll(model, rows, config, world.device)
-                    # FSDP averages gradients over ranks; scaling by world size makes the result the sum
-                    # over every rank's tokens divided by the global token count, however the batch is split.
-                    (nll * (world.world_size / global_loss_tokens)).backward()
-                    loss_sum += nll.detach()
-                grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm)
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            monitor.end_step(
-                step + 1,
-                sums={"loss": loss_sum / global_loss_tokens},
-                values={"grad_norm": grad_norm, "lr": lr, "loss_tokens": global_loss_tokens},
-                real_tokens=sum(r.num_real for r in batch),
-            )
-            done = step + 1
-            if config.ckpt.interval and done % config.ckpt.interval == 0 and done < config.max_steps:
-                ckpt.save_checkpoint(ckpt_root, done, model, optimizer, scheduler, {}, config.ckpt.keep)
-            if config.ckpt.hf_interval and done % config.ckpt.hf_interval == 0 and done < config.max_steps:
-                export_hf(model, info, config.run_dir / "hf" / f"step-{done:06d}", world, config.model.dtype)
+        with scheduled_gc(config.gc_interval) as after_step:
+            for step in range(start_step, config.max_steps):
+                monitor.start_step()
+                with _sync_check(speed.sync_debug, world.device, active=step > start_step):
+                    batch = steps(step)
+                    global_loss_tokens = sum(int(row.loss_mask.sum()) for row in batch)
+                    mine = balance(batch, world.world_size)[world.rank]
+                    loss_sum = torch.zeros((), device=world.device)
+                    for micro in range(micro_steps):
+                        rows = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+                        if isinstance(model, FSDPModule):  # not with speed.fsdp_single_process off
+                            model.set_requires_gradient_sync(micro == micro_steps - 1)
+                        nll = _micro_batch_nll(model, rows, config, world.device)
+                        # FSDP averages gradients over ranks; scaling by world size makes the result the sum
+                        # over every rank's tokens divided by the global token count, however the batch is split.
+                        (nll * (world.world_size / global_loss_tokens)).backward()
+                        loss_sum += nll.detach()
+                    grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm, optimizer)
+                    lr = scheduler.get_last_lr()[0]
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                monitor.end_step(
+                    step + 1,
+                    sums={"loss": loss_sum / global_loss_tokens},
+                    values={"grad_norm": grad_norm, "lr": lr, "loss_tokens": global_loss_tokens},
+                    real_tokens=sum(r.num_real for r in batch),
+                )
+                done = step + 1
+                if config.ckpt.interval and done % config.ckpt.interval == 0 and done < config.max_steps:
+                    ckpt.save_checkpoint(ckpt_root, done, model, optimizer, scheduler, {}, config.ckpt.keep)
+                if config.ckpt.hf_interval and done % config.ckpt.hf_interval == 0 and done < config.max_steps:
+                    export_hf(model, info, config.run_dir / "hf" / f"step-{done:06d}", world, config.model.dtype)
+                after_step(done)
         if speed.save_final:
             ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, {}, config.ckpt.keep)
             export_hf(model, info, config.run_dir / "hf" / "final", world, config.model.dtype)
