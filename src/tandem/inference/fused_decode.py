@@ -1,7 +1,7 @@
 """The decode step on Triton kernels (`tandem.kernels.decode`): the same weights and cache, far fewer kernels.
 
 `decode.decode_step` runs the model module by module (~61 kernels a layer); this runs the same computation
-as ~12 kernels a layer, over the model's own parameters, and reads K/V in place through the block table. It
+as ~10 kernels a layer, over the model's own parameters, and reads K/V in place through the block table. It
 takes the same `[N, 2 + W]` inputs, so it is captured into the same per-bucket CUDA graphs. Dense layers
 use the fused SiLU kernel; MoE layers call their module (router and experts), unchanged.
 
@@ -11,7 +11,7 @@ launched, on Hopper, as a programmatic dependent of the one before (its weights 
 A step of several rows runs qk-norm + RoPE + cache write, attention and the split combine as one kernel
 (`kernels.decode.decode_attention`); a one-row step keeps them as three, which its programmatic dependent
 launches overlap. Measured on the H200 (`benchmarks/decode_profile.py --steps triton triton-attn1
-triton-attn3`): the one kernel is 3-10% faster a step at batch 32 and 4-6% slower at batch 1.
+triton-attn3`): the one kernel made a step 2-11% faster at batch 4 and 32, and 4-6% slower at batch 1.
 """
 
 from __future__ import annotations
