@@ -54,6 +54,8 @@ def main() -> None:
     step, argv = int(sys.argv[1]), sys.argv[2:]
     if not torch.cuda.is_available():
         raise SystemExit("memory_sft.py needs a GPU")
+    if step < 2:
+        raise SystemExit("STEP must be 2 or more: recording starts when step STEP - 1 ends")
     state = {}
     end_step = monitor.Monitor.end_step
 

@@ -50,6 +50,7 @@ def test_fused_adamw_divides_by_the_clip_factor_as_clipping_first_would(scale):
 def test_unfused_adamw_is_clipped_in_place():
     model, _ = _two_models()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    optimizer.grad_scale = torch.tensor(5.0)  # a stale factor is never left for the next step
     _backward(model, 1e3)
     norm = clip_grad_norm_(model, 1.0, optimizer)
     assert norm > 1.0 and not hasattr(optimizer, "grad_scale")
@@ -64,8 +65,8 @@ def test_scheduled_gc_collects_between_steps_only(monkeypatch):
     gc.enable()
     with scheduled_gc(3) as after_step:
         assert not gc.isenabled() and collected == [1]
-        for step in range(1, 8):
-            after_step(step)
+        for done in range(8):
+            after_step(done)
     assert collected == [1, 1, 1] and gc.isenabled()
     with pytest.raises(RuntimeError), scheduled_gc(3):
         raise RuntimeError("a failed step")

@@ -9,8 +9,8 @@ A step of one row (batch 1 of a dense model) runs its projections on tandem's GE
 takes the RMSNorm before a projection and the SwiGLU after it into the same kernel: 7 kernels a layer, each
 launched, on Hopper, as a programmatic dependent of the one before (its weights load while that one ends).
 A step of several rows runs qk-norm + RoPE + cache write, attention and the split combine as one kernel
-(`kernels.decode.decode_attention`); a one-row step keeps them as three, which its programmatic dependent
-launches overlap. Measured on the H200 (`benchmarks/decode_profile.py --steps triton triton-attn1
+(`kernels.decode.decode_attention`); a step on the one-row GEMVs keeps them as three, which its programmatic
+dependent launches overlap. Measured on the H200 (`benchmarks/decode_profile.py --steps triton triton-attn1
 triton-attn3`): the one kernel made a step 2-11% faster at batch 4 and 32, and 4-6% slower at batch 1.
 """
 

@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def scheduled_gc(interval: int) -> Iterator[Callable[[int], None]]:
-    """Inside: automatic collection off (`interval` 0: left as it is); call the yielded function after each step
-    with the step's number. Automatic collection is back on when the block ends, however it ends."""
+    """Inside: automatic collection off (`interval` 0: left as it is); call the yielded function with the number of
+    steps done so far, once a step. Automatic collection is back on when the block ends, however it ends."""
     if not interval:
         yield lambda step: None
         return
@@ -27,8 +27,8 @@ def scheduled_gc(interval: int) -> Iterator[Callable[[int], None]]:
     gc.disable()
     gc.collect(1)
 
-    def after_step(step: int) -> None:
-        if step % interval == 0:
+    def after_step(done: int) -> None:
+        if done and done % interval == 0:
             gc.collect(1)
 
     try:

@@ -76,16 +76,19 @@ def clip_grad_norm_(
     """Clip the global gradient norm after the last backward of a step; returns the norm before clipping.
 
     With expert parallelism this also finishes the expert gradients (`expert_parallel.reduce_and_clip`).
-    When `optimizer` is torch's fused Adam/AdamW over unsharded parameters, the clip costs no pass over the
-    gradients: the optimizer's kernel divides each gradient by the clip factor as it reads it (its
-    `grad_scale`, the hook mixed-precision scaling uses), equal to clipping first up to fp32 rounding."""
+    When `optimizer` is torch's fused Adam/AdamW over unsharded parameters, the clip is no separate pass over
+    the gradients: the optimizer's kernel divides each gradient by the clip factor as it reads it (its
+    `grad_scale`, the hook `torch.amp.GradScaler` uses, so the two do not mix), equal to clipping first up to
+    fp32 rounding. The factor holds for the next `optimizer.step()`; every call sets or clears it."""
+    if optimizer is not None:
+        optimizer.__dict__.pop("grad_scale", None)
     if expert_parallel.expert_params(model):
         return expert_parallel.reduce_and_clip(model, max_norm)
     if optimizer is not None and _scales_gradients(optimizer):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         # clip_grad_norm_ multiplies by max_norm / (norm + 1e-6) when that is below 1; divide by its inverse
-        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+        optimizer.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
         return norm
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

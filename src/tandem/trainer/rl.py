@@ -90,6 +90,7 @@ def train(config: TrainerConfig) -> int:
                 wait_for_batch(batches, step, config.batch_timeout_s)
                 idle_s = time.monotonic() - waiting  # trainer idle time: waiting for the orchestrator
                 monitor.start_step()
+                after_step(step - 1)  # timed with the step, as torchtitan times its collections
                 micros, header = read_batch(batches, step, world.rank, world.world_size)
                 sums: dict[str, torch.Tensor] = {}
                 for index, micro in enumerate(micros):
@@ -119,7 +120,6 @@ def train(config: TrainerConfig) -> int:
                 )
                 if config.ckpt.interval and step % config.ckpt.interval == 0:
                     ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
-                after_step(step)
     finally:
         monitor.close()
         publisher.close()

@@ -138,6 +138,7 @@ def train(config: SftConfig) -> int:
         with scheduled_gc(config.gc_interval) as after_step:
             for step in range(start_step, config.max_steps):
                 monitor.start_step()
+                after_step(step)  # timed with the step, as torchtitan times its collections
                 with _sync_check(speed.sync_debug, world.device, active=step > start_step):
                     batch = steps(step)
                     global_loss_tokens = sum(int(row.loss_mask.sum()) for row in batch)
@@ -168,7 +169,6 @@ def train(config: SftConfig) -> int:
                     ckpt.save_checkpoint(ckpt_root, done, model, optimizer, scheduler, {}, config.ckpt.keep)
                 if config.ckpt.hf_interval and done % config.ckpt.hf_interval == 0 and done < config.max_steps:
                     export_hf(model, info, config.run_dir / "hf" / f"step-{done:06d}", world, config.model.dtype)
-                after_step(done)
         if speed.save_final:
             ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, {}, config.ckpt.keep)
             export_hf(model, info, config.run_dir / "hf" / "final", world, config.model.dtype)
