@@ -59,8 +59,7 @@ class TrainingRunConfig(RunConfig):
     log_interval: int = Field(1, gt=0)
     """Print a log line every this many steps (metrics.jsonl gets every step)."""
     gc_interval: int = Field(50, ge=0)
-    """Python's garbage collector runs between steps, every this many steps, instead of whenever it likes
-    (a full collection inside a step stalls the kernel launches); 0: Python's automatic collection."""
+    """Run Python's garbage collector every this many steps, not whenever it likes, as torchtitan does (0: Python's own)."""
     optim: OptimConfig = OptimConfig()
     """Optimizer."""
     scheduler: SchedulerConfig = SchedulerConfig()
