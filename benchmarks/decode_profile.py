@@ -12,7 +12,9 @@ or as three, at every batch), is profiled eagerly
 with torch.profiler (kernel count and the sum of the kernels' own durations: the GPU work, without launch gaps),
 then captured as a CUDA graph and replayed (wall time per replay). If the replay takes about the summed kernel
 time, the step is bound by its kernels; the roofline is the weights read once over the copy bandwidth measured
-here. The top kernels of the step come after the table.
+here. `--gemv-tiles` runs each triton step again with every batch-1 GEMV on one fixed tile instead of the
+autotuned ones; `max diff` is the largest difference of a row's logits from the first row's of the same model
+and batch. The top kernels of the step come after the table.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tandem.kernels.gemv as gemv_kernels
 from inference import MODELS, hbm_bandwidth
 from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.decode import EagerDecoder, StepFunction, decode_step
@@ -43,7 +47,19 @@ STEPS: dict[str, StepFunction] = {
 }
 
 
-def profile(name: str, batch: int, step: str, bandwidth: float) -> tuple[list[str], Counter]:
+def force_gemv_tile(tile: str | None) -> None:
+    """Run every batch-1 GEMV on one tile, `NxKwW` (BLOCK_N, BLOCK_K, warps), instead of the autotuned one."""
+    configs = gemv_kernels.CONFIGS
+    if tile is not None:
+        n, rest = tile.split("x")
+        k, w = rest.split("w")
+        configs = [triton.Config({"BLOCK_N": int(n), "BLOCK_K": int(k)}, num_warps=int(w))]
+    gemv_kernels._gemv_autotuned = triton.autotune(configs, key=["N", "K", "NORM", "SWIGLU"])(gemv_kernels._gemv_kernel)
+
+
+def profile(
+    name: str, batch: int, step: str, tile: str | None, bandwidth: float
+) -> tuple[list[str], Counter, torch.Tensor]:
     shape = MODELS[name]
     model = build_model(shape.hf_config(), dtype=torch.bfloat16, device="cuda", seed=0).eval()
     args = model.args
@@ -54,6 +70,7 @@ def profile(name: str, batch: int, step: str, bandwidth: float) -> tuple[list[st
     tables = [[1 + row * blocks + b for b in range(blocks)] for row in range(batch)]
     tokens, lengths = [1] * batch, [KEY_CAPACITY // 2] * batch
     step_fn = STEPS[step]
+    force_gemv_tile(tile)
     eager = EagerDecoder(model, cache, step_fn)
     graphed = GraphedDecoder(model, cache, [batch], blocks, step_fn)
     with torch.inference_mode():
@@ -76,12 +93,13 @@ def profile(name: str, batch: int, step: str, bandwidth: float) -> tuple[list[st
             graphed(tokens, lengths, tables)
         torch.cuda.synchronize()
         replay_ms = (time.perf_counter() - start) / iters * 1e3
+        logits = graphed(tokens, lengths, tables).float().cpu()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     roofline_ms = weights / bandwidth * 1e3
     row = [
         name,
         str(batch),
-        step,
+        step if tile is None else f"{step} {tile}",
         str(len(kernels)),
         f"{len(kernels) / args.num_layers:.0f}",
         f"{kernel_ms:.3f}",
@@ -90,7 +108,7 @@ def profile(name: str, batch: int, step: str, bandwidth: float) -> tuple[list[st
         f"{100 * roofline_ms / replay_ms:.0f}%",
     ]
     total = sum(top.values())
-    return row, Counter({k: 100 * v / total for k, v in top.items()})
+    return row, Counter({k: 100 * v / total for k, v in top.items()}), logits
 
 
 def main() -> None:
@@ -98,16 +116,29 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=sorted(MODELS))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=list(STEPS))
+    parser.add_argument(
+        "--gemv-tiles",
+        nargs="+",
+        type=lambda tile: None if tile == "auto" else tile,
+        default=[None],
+        help="run each triton step's batch-1 GEMVs on each of these tiles, NxKwW (e.g. 8x1024w4), or auto",
+    )
     args = parser.parse_args()
     bandwidth = hbm_bandwidth(torch.device("cuda"), 4.0)
     header = ["model", "batch", "step", "kernels", "per layer", "kernel ms", "replay ms", "roofline ms", "% roof"]
+    header.append("max diff")  # of the logits from the first step's of the same model and batch
     rows, tops = [header], []
     for name in args.models:
         for batch in args.batches:
-            for step in args.steps:
-                row, top = profile(name, batch, step, bandwidth)
+            first = None
+            for step, tile in [(s, t) for s in args.steps for t in args.gemv_tiles]:
+                if tile is not None and not step.startswith("triton"):
+                    continue
+                row, top, logits = profile(name, batch, step, tile, bandwidth)
+                first = logits if first is None else first
+                row.append(f"{(logits - first).abs().max().item():.1e}")
                 rows.append(row)
-                tops.append((f"{name} batch {batch}, {step} step", top))
+                tops.append((f"{name} batch {batch}, {row[2]} step", top))
                 torch.cuda.empty_cache()
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     print("\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows))

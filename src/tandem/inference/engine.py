@@ -115,17 +115,21 @@ class InFlight:
     """`[2, R]` float64: tokens, logprobs (pinned memory on CUDA, filled without blocking)."""
     copied: torch.cuda.Event | None
     version: int
+    batch: SamplingBatch
+    """The step's sampling parameters; the next step's are these one token later."""
 
     @classmethod
-    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> InFlight:
+    def launch(
+        cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, version: int, batch: SamplingBatch
+    ) -> InFlight:
         values = torch.stack((tokens.double(), logprobs.double()))
         if not tokens.is_cuda:
-            return cls(seqs, tokens, values, None, version)
+            return cls(seqs, tokens, values, None, version, batch)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(tokens.device))
-        return cls(seqs, tokens, host, copied, version)
+        return cls(seqs, tokens, host, copied, version, batch)
 
     def results(self) -> tuple[list[int], list[float]]:
         if self.copied is not None:
@@ -497,17 +501,11 @@ class Engine:
         if plan.decode:
             logits.append(self._decode(plan.decode, None if previous is None else previous.tokens))
             ready += plan.decode
-        if ready:
-            batch = SamplingBatch.build(
-                [seq.request.params for seq in ready],
-                [seq.request.seed for seq in ready],
-                [seq.sample for seq in ready],
-                [len(seq.tokens) - len(seq.request.prompt) for seq in ready],  # tokens generated, in flight too
-                self.device,
-            )
+        if ready:  # a step continuing `previous` samples its rows, one token on
+            batch = self._sampling_batch(ready) if previous is None else previous.batch.next_step()
             all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
             if self.config.overlap_steps and not plan.prefill and batch.stays_on_device:
-                self.in_flight = InFlight.launch(ready, *self.sampler.on_device(all_logits, batch), version)
+                self.in_flight = InFlight.launch(ready, *self.sampler.on_device(all_logits, batch), version, batch)
                 now = time.monotonic()
                 for seq in ready:
                     seq.tokens.append(0)  # its place: the next step reads the token from the device
@@ -521,6 +519,15 @@ class Engine:
                 self._record(ready, sampled.tokens, sampled.logprobs, sampled.kept, sampled.top, version)
         self._counts["steps"] += 1
         return True
+
+    def _sampling_batch(self, ready: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.build(
+            [seq.request.params for seq in ready],
+            [seq.request.seed for seq in ready],
+            [seq.sample for seq in ready],
+            [len(seq.tokens) - len(seq.request.prompt) for seq in ready],  # tokens generated, in flight too
+            self.device,
+        )
 
     def _continues(self, previous: InFlight) -> bool:
         """Whether the next step can run on `previous`'s tokens unread: it decodes exactly `previous`'s sequences

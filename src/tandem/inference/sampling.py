@@ -19,7 +19,7 @@ Top-N logprobs are taken from the same final distribution (greedy: `softmax(l)`)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,6 +73,7 @@ class SamplingBatch:
     """Per-row parameters of one step on the logits' device, plus host-side row groups."""
 
     temperature: torch.Tensor  # [R] fp32, 0 = greedy
+    divisor: torch.Tensor  # [R] fp32: the temperature, 1 for greedy rows
     top_p: torch.Tensor
     min_p: torch.Tensor
     top_k: torch.Tensor  # [R] int64, 0 = off
@@ -82,8 +83,14 @@ class SamplingBatch:
     truncated: list[int]  # rows whose params may cut the distribution
     plain: list[int]  # the other rows (greedy, or sampled from the whole vocabulary)
     any_sampled_plain: bool
+    any_tempered: bool  # some row's temperature is neither 0 nor 1: the logits need dividing
     top_width: int  # the largest top_logprobs asked for (0: none)
     top_k_width: int  # sort width for the truncated rows: max top_k when all of them set top_k, else 0 (all)
+
+    def next_step(self) -> SamplingBatch:
+        """The same rows one token later (each row's `steps` + 1): one device op instead of a rebuild and two
+        host-to-device copies, for a decode step that continues the one before it."""
+        return replace(self, steps=self.steps + 1)
 
     @property
     def stays_on_device(self) -> bool:
@@ -102,7 +109,7 @@ class SamplingBatch:
         floats, ints, truncated, plain = [], [], [], []
         any_sampled_plain, top_width, widths = False, 0, []
         for row, (p, seed, sample, step) in enumerate(zip(params, seeds, samples, steps, strict=True)):
-            floats.append((p.temperature, p.top_p, p.min_p))
+            floats.append((p.temperature, p.top_p, p.min_p, p.temperature if p.temperature > 0 else 1.0))
             ints.append((max(p.top_k, 0), _signed64(seed), sample, step))
             top_width = max(top_width, p.top_logprobs)
             if p.truncates:
@@ -115,6 +122,7 @@ class SamplingBatch:
         f, i = (copy_to_device(t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in (f, i))
         return cls(
             temperature=f[:, 0],
+            divisor=f[:, 3],
             top_p=f[:, 1],
             min_p=f[:, 2],
             top_k=i[:, 0],
@@ -124,6 +132,7 @@ class SamplingBatch:
             truncated=truncated,
             plain=plain,
             any_sampled_plain=any_sampled_plain,
+            any_tempered=any(p.temperature not in (0, 1) for p in params),
             top_width=top_width,
             top_k_width=max(widths) if widths and min(widths) > 0 else 0,
         )
@@ -149,16 +158,17 @@ def _take(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 
 def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """fp32 logits over each row's temperature (greedy rows: over 1)."""
-    temperature = batch.temperature
-    return logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    """fp32 logits over each row's temperature (greedy rows: over 1, skipped when no row needs it)."""
+    z = logits.float()
+    return z / batch.divisor[:, None] if batch.any_tempered else z
 
 
 def _draw_whole_vocab(
     z: torch.Tensor, batch: SamplingBatch, index: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, logprobs, the rows' tempered logits, their logsumexp) for rows `index` (None: all) of `z` that
-    sample from the whole vocabulary."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, logprobs, the rows' log-softmax) for rows `index` (None: all) of `z` that sample from the whole
+    vocabulary. One log-softmax kernel, where `logsumexp` launches six: at batch 1 the host's launches, not the
+    GPU, set a decode step's pace."""
     z = _take(z, index)
     pick = z
     if batch.any_sampled_plain:
@@ -166,8 +176,8 @@ def _draw_whole_vocab(
         noise = gumbel_noise(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index), ids)
         pick = torch.where(_take(batch.temperature, index)[:, None] > 0, z + noise, z)
     tokens = pick.argmax(dim=-1)
-    lse = z.logsumexp(dim=-1)
-    return tokens, z.gather(1, tokens[:, None])[:, 0] - lse, z, lse
+    log_probs = z.log_softmax(dim=-1)
+    return tokens, log_probs.gather(1, tokens[:, None])[:, 0], log_probs
 
 
 class Sampler:
@@ -190,15 +200,15 @@ class Sampler:
             raise ValueError(
                 "only rows that sample from the whole vocabulary, without top logprobs, stay on the device"
             )
-        tokens, logprobs, _, _ = _draw_whole_vocab(_tempered(logits, batch), batch, None)
+        tokens, logprobs, _ = _draw_whole_vocab(_tempered(logits, batch), batch, None)
         return tokens, logprobs
 
     def _whole_vocab(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled) -> None:
         rows = batch.plain
         index = torch.tensor(rows, device=z.device) if len(rows) < z.shape[0] else None
-        tokens, logprobs, z, lse = _draw_whole_vocab(z, batch, index)
-        top = z.topk(batch.top_width, dim=-1) if batch.top_width else None
-        self._store(out, rows, tokens, logprobs, top, lse, None)
+        tokens, logprobs, log_probs = _draw_whole_vocab(z, batch, index)
+        top = log_probs.topk(batch.top_width, dim=-1) if batch.top_width else None
+        self._store(out, rows, tokens, logprobs, top, None, None)
 
     def _truncated(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled, vocab: int) -> None:
         rows = batch.truncated
@@ -233,9 +243,10 @@ class Sampler:
         tokens: torch.Tensor,
         logprobs: torch.Tensor,
         top: tuple[torch.Tensor, torch.Tensor] | None,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
         kept: list[list[int] | None] | None,
     ) -> None:
+        """`top`: (values, ids) per row; logprobs, or logits to subtract `lse` from."""
         host_tokens, host_logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
         for row, token, logprob in zip(rows, host_tokens, host_logprobs, strict=True):
             out.tokens[row], out.logprobs[row] = int(token), logprob
@@ -244,5 +255,6 @@ class Sampler:
                 out.kept[row] = ids
         if top is not None and out.top is not None:
             values, ids = top
-            for row, row_values, row_ids in zip(rows, (values - lse[:, None]).tolist(), ids.tolist(), strict=True):
+            logprobs = values if lse is None else values - lse[:, None]
+            for row, row_values, row_ids in zip(rows, logprobs.tolist(), ids.tolist(), strict=True):
                 out.top[row] = [(i, v) for i, v in zip(row_ids, row_values, strict=True) if v != float("-inf")]
