@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 import time
 from collections import Counter
@@ -47,14 +48,26 @@ STEPS: dict[str, StepFunction] = {
 }
 
 
+AUTOTUNED_GEMV = gemv_kernels._gemv_autotuned
+TILE = re.compile(r"(\d+)x(\d+)w(\d+)")
+
+
+def gemv_tile(text: str) -> str | None:
+    """`--gemv-tiles` values: `NxKwW` (BLOCK_N, BLOCK_K, warps), or `auto` (None)."""
+    if text != "auto" and TILE.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"a GEMV tile is NxKwW (e.g. 8x1024w4) or auto, got {text!r}")
+    return None if text == "auto" else text
+
+
 def force_gemv_tile(tile: str | None) -> None:
-    """Run every batch-1 GEMV on one tile, `NxKwW` (BLOCK_N, BLOCK_K, warps), instead of the autotuned one."""
-    configs = gemv_kernels.CONFIGS
+    """Run every batch-1 GEMV on `tile` instead of the autotuned one; None: back to the autotuned one (and
+    its cached choices)."""
+    autotuned = AUTOTUNED_GEMV
     if tile is not None:
-        n, rest = tile.split("x")
-        k, w = rest.split("w")
-        configs = [triton.Config({"BLOCK_N": int(n), "BLOCK_K": int(k)}, num_warps=int(w))]
-    gemv_kernels._gemv_autotuned = triton.autotune(configs, key=["N", "K", "NORM", "SWIGLU"])(gemv_kernels._gemv_kernel)
+        n, k, warps = (int(part) for part in TILE.fullmatch(tile).groups())
+        config = triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps)
+        autotuned = triton.autotune([config], key=["N", "K", "NORM", "SWIGLU"])(gemv_kernels._gemv_kernel)
+    gemv_kernels._gemv_autotuned = autotuned
 
 
 def profile(
@@ -119,7 +132,7 @@ def main() -> None:
     parser.add_argument(
         "--gemv-tiles",
         nargs="+",
-        type=lambda tile: None if tile == "auto" else tile,
+        type=gemv_tile,
         default=[None],
         help="run each triton step's batch-1 GEMVs on each of these tiles, NxKwW (e.g. 8x1024w4), or auto",
     )

@@ -107,11 +107,12 @@ class SamplingBatch:
         device: torch.device,
     ) -> SamplingBatch:
         floats, ints, truncated, plain = [], [], [], []
-        any_sampled_plain, top_width, widths = False, 0, []
+        any_sampled_plain, any_tempered, top_width, widths = False, False, 0, []
         for row, (p, seed, sample, step) in enumerate(zip(params, seeds, samples, steps, strict=True)):
             floats.append((p.temperature, p.top_p, p.min_p, p.temperature if p.temperature > 0 else 1.0))
             ints.append((max(p.top_k, 0), _signed64(seed), sample, step))
             top_width = max(top_width, p.top_logprobs)
+            any_tempered |= p.temperature not in (0, 1)
             if p.truncates:
                 truncated.append(row)
                 widths.append(p.top_k)
@@ -132,7 +133,7 @@ class SamplingBatch:
             truncated=truncated,
             plain=plain,
             any_sampled_plain=any_sampled_plain,
-            any_tempered=any(p.temperature not in (0, 1) for p in params),
+            any_tempered=any_tempered,
             top_width=top_width,
             top_k_width=max(widths) if widths and min(widths) > 0 else 0,
         )
