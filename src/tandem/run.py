@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -13,39 +10,9 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tandem.config import RunConfig, to_toml
+from tandem.files import atomic_write_text
 
 logger = logging.getLogger("tandem")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def keep_steps_up_to(path: Path, step: int) -> None:
-    """Rewrite a per-step JSONL file without the records past `step` (and any half-written line), so a
-    run resumed from step `step`'s checkpoint never counts a later step twice."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line half-written when the process was killed
-        if record.get("step", 0) <= step:
-            kept.append(line)
-    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
 def log_tail(path: Path, lines: int = 30) -> str:

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from tandem.jsonl import JsonlFollower
 from tandem.run import step_progress
 
 logger = logging.getLogger(__name__)
-
-
-class JsonlFollower:
-    """Reads the complete lines appended to a JSONL file since the last call (a half-written line waits)."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
-
-    def new_records(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 class RlProgress:

@@ -28,7 +28,9 @@ from tandem.orchestrator.batching import TrainSample, pack_batch
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Source, TaskSampler, load_sources
-from tandem.run import atomic_write_text, keep_steps_up_to, prepare_run_dir
+from tandem.files import atomic_write_text
+from tandem.jsonl import keep_steps_up_to
+from tandem.run import prepare_run_dir
 from tandem.transport.batches import write_batch
 from tandem.transport.broadcast import Rendezvous, announce_path
 from tandem.transport.policies import latest_policy, policy_dir

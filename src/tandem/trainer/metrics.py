@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tandem.run import keep_steps_up_to
+from tandem.jsonl import keep_steps_up_to
 
 logger = logging.getLogger(__name__)
 

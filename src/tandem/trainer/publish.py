@@ -14,7 +14,7 @@ import logging
 import torch
 
 from tandem.config.trainer import TrainerConfig
-from tandem.run import atomic_write_text
+from tandem.files import atomic_write_text
 from tandem.trainer.model import ModelInfo, export_hf
 from tandem.trainer.parallel import DTYPES, World, full_shapes, full_tensors
 from tandem.transport.broadcast import WeightSender, announce_path
