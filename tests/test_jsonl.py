@@ -13,7 +13,7 @@ def test_read_skips_half_written_and_corrupt_lines(tmp_path):
     report = JsonlReport()
     assert read_records(path, report=report) == [{"step": 1}, {"step": 2}]
     assert (report.corrupt, report.examples) == (2, [3, 4])
-    with pytest.raises(CorruptLineError, match="m.jsonl:3"):
+    with pytest.raises(CorruptLineError, match=r"m\.jsonl:3"):
         read_records(path, strict=True)
     assert read_records(tmp_path / "missing.jsonl") == []
 

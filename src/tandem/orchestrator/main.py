@@ -23,13 +23,13 @@ from typing import Any
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.envs import Task
 from tandem.eval.client import RequestError
+from tandem.files import atomic_write_text
+from tandem.jsonl import keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Source, TaskSampler, load_sources
-from tandem.files import atomic_write_text
-from tandem.jsonl import keep_steps_up_to
 from tandem.run import prepare_run_dir
 from tandem.transport.batches import write_batch
 from tandem.transport.broadcast import Rendezvous, announce_path
