@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -201,3 +202,46 @@ def test_config_variants_match_and_round_trip(variant, tmp_path):
     original, saved = _disk_tensors(src), _disk_tensors(save_model(model, tmp_path / "out"))
     assert sorted(saved) == sorted(original)
     assert all(torch.equal(saved[k], original[k]) for k in original)
+
+
+def test_unreadable_files_are_named(model_dir, tmp_path):
+    """A truncated shard, a corrupt index or config.json: a CheckpointError or ConfigError naming the file."""
+    bad = shutil.copytree(model_dir("qwen3"), tmp_path / "bad")
+    weights = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(weights[: len(weights) - 100])
+    with pytest.raises(CheckpointError, match=re.escape(f"{bad / 'model.safetensors'} is not a readable safetensors file")):
+        load_model(bad)
+    (bad / "model.safetensors").write_bytes(weights)
+    (bad / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not a valid safetensors index"):
+        load_model(bad)
+    index = {"weight_map": dict.fromkeys(_disk_tensors(bad), "missing.safetensors")}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"missing\.safetensors is not a readable safetensors file"):
+        load_weights(load_model(bad, device="meta"), bad)
+    (bad / "config.json").write_bytes(b"\xff{")
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+        load_model(bad)
+
+
+def test_a_confined_load_opens_nothing_outside_its_directory(model_dir, tmp_path):
+    """`iter_runtime_tensors(confined=True)` (what the inference server uses) refuses an index entry or a symlink
+    that leaves the directory; a plain load follows symlinks (a hub-cache snapshot links to ../../blobs)."""
+    from tandem.models import OutsideDirectoryError, iter_runtime_tensors, model_args
+
+    src = model_dir("qwen3")
+    blobs = shutil.copytree(src, tmp_path / "blobs")
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "config.json").symlink_to(blobs / "config.json")
+    (snapshot / "model.safetensors").symlink_to(blobs / "model.safetensors")
+    args = model_args(src)
+    assert len(list(iter_runtime_tensors(snapshot, args))) == len(dict(load_model(src).named_parameters()))
+    with pytest.raises(OutsideDirectoryError, match=r"model\.safetensors .*is outside"):
+        next(iter_runtime_tensors(snapshot, args, confined=True))
+    (snapshot / "model.safetensors").unlink()
+    index = {"weight_map": dict.fromkeys(_disk_tensors(src), "../blobs/model.safetensors")}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert len(list(iter_runtime_tensors(snapshot, args))) > 0
+    with pytest.raises(OutsideDirectoryError, match=r"\.\./blobs/model.safetensors .*is outside"):
+        next(iter_runtime_tensors(snapshot, args, confined=True))

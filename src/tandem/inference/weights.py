@@ -3,7 +3,9 @@
 Reading (the slow part) happens off the engine thread while generation continues, into CPU memory (one copy
 of the weights); only the in-place copy pauses generation. Copying in place keeps every parameter's storage,
 so CUDA graphs captured against it stay valid. A checkpoint is only accepted from inside the configured
-weights directory, and only if it describes the same architecture and shapes; otherwise nothing is touched.
+weights directory, with every file it opens inside the checkpoint directory (symlinks resolved, index entries
+included), only if it describes the same architecture and shapes, and only if every weight is finite (a NaN
+would poison every KV cache entry computed from it until the next update); otherwise nothing is touched.
 """
 
 from __future__ import annotations
@@ -13,12 +15,20 @@ from pathlib import Path
 
 import torch
 
-from tandem.models import RUNTIME_OPTIONS, CausalLM, CheckpointError, iter_runtime_tensors, model_args
-from tandem.models import ConfigError as ModelConfigError
+from tandem.models import (
+    RUNTIME_OPTIONS,
+    CausalLM,
+    CheckpointError,
+    ModelArgs,
+    OutsideDirectoryError,
+    iter_runtime_tensors,
+    model_args,
+    resolve_inside,
+)
 
 
 class WeightsError(ValueError):
-    """A weights path or checkpoint the server refuses; the message says why."""
+    """A weights path or checkpoint the server refuses; the message names the file and says why."""
 
 
 class ForbiddenWeightsPath(WeightsError):
@@ -27,37 +37,64 @@ class ForbiddenWeightsPath(WeightsError):
 
 def resolve_weights_path(path: str, allowed_root: Path) -> Path:
     """`path` as a real directory inside `allowed_root` (symlinks resolved), or WeightsError."""
-    root = allowed_root.resolve()
     target = Path(path).expanduser()
-    target = (target if target.is_absolute() else root / target).resolve()
-    if not target.is_relative_to(root):
-        raise ForbiddenWeightsPath(f"{path} is outside the weights directory {root}")
+    try:
+        target = resolve_inside(target if target.is_absolute() else allowed_root / target, allowed_root)
+    except OutsideDirectoryError as error:
+        raise ForbiddenWeightsPath(f"{path} is outside the weights directory: {error}") from None
     if not target.is_dir():
         raise WeightsError(f"{target} is not a checkpoint directory")
     return target
 
 
-def read_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
-    """Every runtime tensor of the checkpoint at `path`, on CPU, checked against `model`'s names and shapes."""
-    current = model.args
+def _checkpoint_args(path: Path, current: ModelArgs) -> ModelArgs:
+    """The checkpoint's ModelArgs with the served runtime options, or WeightsError naming its config.json."""
+    config = path / "config.json"
     try:
-        runtime = {name: getattr(current, name) for name in ("dtype", *RUNTIME_OPTIONS)}
-        args = model_args(path).replace(**runtime)
-        differ = [
-            f.name for f in dataclasses.fields(args) if f.compare and getattr(args, f.name) != getattr(current, f.name)
-        ]
-        if differ:
-            raise WeightsError(f"{path} holds a different model than the one being served (differs in {differ})")
-        params = dict(model.named_parameters())
-        tensors = {}
-        for name, tensor in iter_runtime_tensors(path, args):
+        config = resolve_inside(config, path)
+        args = model_args(config).replace(**{name: getattr(current, name) for name in ("dtype", *RUNTIME_OPTIONS)})
+    except OutsideDirectoryError as error:
+        raise ForbiddenWeightsPath(str(error)) from None
+    except (ValueError, OSError, TypeError, KeyError) as error:  # a value of the wrong type fails as it is used
+        raise WeightsError(f"{config} is not a usable model config: {error}") from None
+    differ = [
+        f.name for f in dataclasses.fields(args) if f.compare and getattr(args, f.name) != getattr(current, f.name)
+    ]
+    if differ:
+        raise WeightsError(f"{path} holds a different model than the one being served (differs in {differ})")
+    return args
+
+
+def _check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
+    """WeightsError if `tensor` holds a NaN or an infinity.
+
+    One min/max reduction reads the tensor once and allocates nothing (NaN propagates into both, an infinity
+    shows as an infinite extreme), where `isfinite(t).all()` writes a whole boolean copy first.
+    """
+    if tensor.is_floating_point() and tensor.numel():
+        low, high = torch.aminmax(tensor)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            raise WeightsError(f"{path}: {name} holds NaN or infinite values; refusing to serve them")
+
+
+def read_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
+    """Every runtime tensor of the checkpoint at `path`, on CPU, checked against `model`'s names and shapes and
+    for finite values; every file opened lies inside `path`."""
+    args = _checkpoint_args(path, model.args)
+    params = dict(model.named_parameters())
+    tensors = {}
+    try:
+        for name, tensor in iter_runtime_tensors(path, args, confined=True):
             if tensor.shape != params[name].shape:
                 raise WeightsError(
                     f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
                 )
+            _check_finite(path, name, tensor)
             tensors[name] = tensor
-    except (CheckpointError, ModelConfigError, OSError) as error:
-        raise WeightsError(f"cannot load {path}: {error}") from error
+    except OutsideDirectoryError as error:
+        raise ForbiddenWeightsPath(f"cannot load {path}: {error}") from None
+    except (CheckpointError, OSError) as error:
+        raise WeightsError(f"cannot load {path}: {error}") from None
     return tensors
 
 

@@ -5,7 +5,16 @@ Imports nothing else from tandem. See docs/models.md.
 
 from .architecture import Architecture, HFLayout
 from .build import RUNTIME_OPTIONS, build_model, load_model, model_args
-from .checkpoint import CheckpointError, hf_tensors, iter_runtime_tensors, load_weights, save_model, weight_map
+from .checkpoint import (
+    CheckpointError,
+    OutsideDirectoryError,
+    hf_tensors,
+    iter_runtime_tensors,
+    load_weights,
+    resolve_inside,
+    save_model,
+    weight_map,
+)
 from .config import ConfigError, ModelArgs, MoEArgs, RopeArgs, read_hf_config
 from .decoder import CausalLM, DecoderBlock
 from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache
@@ -29,6 +38,7 @@ __all__ = [
     "KVCache",
     "MoEArgs",
     "ModelArgs",
+    "OutsideDirectoryError",
     "RopeArgs",
     "TokenLogprobs",
     "build_model",
@@ -42,6 +52,7 @@ __all__ = [
     "model_args",
     "read_hf_config",
     "reference_token_logprobs",
+    "resolve_inside",
     "save_model",
     "token_logprobs",
     "weight_map",

@@ -45,7 +45,28 @@ _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: names the missing, unexpected or mis-shaped tensors."""
+    """A checkpoint that cannot be loaded: names the file that is unreadable, truncated or not valid safetensors
+    or JSON, or the missing, unexpected or mis-shaped tensors."""
+
+
+class OutsideDirectoryError(CheckpointError):
+    """A file a load would open lies outside the directory it is confined to (through `..`, an absolute path in
+    the index, or a symlink)."""
+
+
+def resolve_inside(path: str | Path, root: str | Path) -> Path:
+    """`path` with every symlink resolved, or OutsideDirectoryError unless it lies inside `root` (resolved too).
+
+    The one path check for weight loading: the server's weights directory for the checkpoint a request names,
+    and the checkpoint directory for every file a confined load opens (the index may name `../x` or `/x`, and
+    any file may be a symlink).
+    """
+    root = Path(root).resolve()
+    real = Path(path).resolve()
+    if not real.is_relative_to(root):
+        shown = f"{path} (resolving to {real})" if real != Path(path) else str(path)
+        raise OutsideDirectoryError(f"{shown} is outside {root}")
+    return real
 
 
 @dataclass(frozen=True)
@@ -118,28 +139,58 @@ def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield from zip(keys, group.split(fused.sizes) if fused.sizes else (group,), strict=True)
 
 
-class _Reader:
-    """Lazy, per-tensor access to the safetensors of a HF directory (one file, or shards with an index)."""
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's tensor name -> file name map, or CheckpointError naming the index."""
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (ValueError, KeyError, TypeError) as error:  # ValueError covers bad JSON and bad UTF-8
+        raise CheckpointError(f"{index} is not a valid safetensors index ({type(error).__name__}: {error})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map is not a mapping of tensor names to file names")
+    return weight_map
 
-    def __init__(self, path: Path) -> None:
+
+def _open_safetensors(file: Path) -> Any:
+    """`safe_open(file)`, or CheckpointError naming the file (missing, truncated, empty or a corrupt header)."""
+    try:
+        return safe_open(file, "pt")
+    except Exception as error:  # SafetensorError has no importable base besides Exception
+        raise CheckpointError(f"{file} is not a readable safetensors file: {error}") from None
+
+
+class _Reader:
+    """Lazy, per-tensor access to the safetensors of a HF directory (one file, or shards with an index).
+
+    With `confined`, every file (the index, each shard) must lie inside `path` once symlinks are resolved; a
+    directory the user named is trusted (it may be a hub-cache snapshot whose files link to `../../blobs`).
+    """
+
+    def __init__(self, path: Path, confined: bool = False) -> None:
+        def checked(file: Path) -> Path:
+            return resolve_inside(file, path) if confined else file
+
         index = path / INDEX_FILE
         if index.is_file():
-            self.files = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            names = _read_index(checked(index))
+            self.files = {key: checked(path / name) for key, name in names.items()}
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"missing weights: no *.safetensors files (or {INDEX_FILE}) in {path}")
             self.files = {}
-            for file in files:
-                with safe_open(file, "pt") as f:
+            for file in map(checked, files):
+                with _open_safetensors(file) as f:
                     self.files.update(dict.fromkeys(f.keys(), file))
         self._open: dict[Path, Any] = {}
 
     def get(self, key: str) -> torch.Tensor:
         file = self.files[key]
         if file not in self._open:
-            self._open[file] = safe_open(file, "pt")
-        return self._open[file].get_tensor(key)
+            self._open[file] = _open_safetensors(file)
+        try:
+            return self._open[file].get_tensor(key)
+        except Exception as error:  # a shard without the key its index names, or unreadable data
+            raise CheckpointError(f"{file}: cannot read tensor {key}: {error}") from None
 
 
 def _check_keys(available: set[str], wanted: Mapping[str, Fused], args: ModelArgs, path: Path) -> None:
@@ -158,14 +209,17 @@ def _check_keys(available: set[str], wanted: Mapping[str, Fused], args: ModelArg
         raise CheckpointError(f"{path} does not match {args.architecture}: " + "; ".join(problems))
 
 
-def iter_runtime_tensors(path: str | Path, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_runtime_tensors(
+    path: str | Path, args: ModelArgs, *, confined: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(runtime name, tensor) one at a time from a HF directory, in checkpoint dtype, on CPU.
 
     Checks every key first, so a bad checkpoint fails before anything is loaded. Experts may be stored per
-    expert (what transformers writes) or already stacked (`mlp.experts.gate_up_proj` `[E, 2I, H]`).
+    expert (what transformers writes) or already stacked (`mlp.experts.gate_up_proj` `[E, 2I, H]`). With
+    `confined`, every file opened must lie inside `path` (symlinks resolved): for directories a request names.
     """
     path = Path(path)
-    reader = _Reader(path)
+    reader = _Reader(path, confined)
     layout = _layout(args)
     stacked = any(k.endswith(layout.stacked_gate_up) for k in reader.files)
     wanted = weight_map(args, layout, stacked_experts=stacked)

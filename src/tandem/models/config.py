@@ -113,7 +113,13 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"no config.json at {path}")
-    return json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_bytes())
+    except ValueError as error:  # bad JSON or bad UTF-8
+        raise ConfigError(f"{file} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file} holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
 def require(hf: Mapping[str, Any], key: str) -> Any:

@@ -18,8 +18,10 @@ from safetensors import safe_open
 
 
 def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the `*.safetensors` files in `path`, one at a time, on CPU."""
-    files = sorted(path.glob("*.safetensors"))
+    """Every tensor of the `*.safetensors` files in `path`, one at a time, on CPU; none read from outside `path`."""
+    from tandem.models import resolve_inside
+
+    files = [resolve_inside(file, path) for file in sorted(path.glob("*.safetensors"))]
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors file")
     for file in files:

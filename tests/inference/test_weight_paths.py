@@ -1,0 +1,154 @@
+"""Weight updates only read files inside the checkpoint directory, refuse broken or non-finite checkpoints with a
+4xx naming the file (the served weights stay), and never move the policy version backwards."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, read_weights, resolve_weights_path
+from tandem.models import load_model
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def weights_dir(tmp_path) -> Path:
+    (tmp_path / "weights").mkdir()
+    return tmp_path / "weights"
+
+
+@pytest.fixture
+def served(model_dir):
+    return load_model(model_dir("qwen3"), dtype=torch.float32)
+
+
+def _policy(source: Path, target: Path, scale: float = 1.0) -> Path:
+    """A copy of checkpoint `source` at `target`, its weights scaled by `scale` (a different policy)."""
+    shutil.copytree(source, target)
+    tensors = load_file(target / WEIGHTS)
+    save_file({k: v * scale for k, v in tensors.items()}, target / WEIGHTS, metadata={"format": "pt"})
+    return target
+
+
+def _write_index(policy: Path, shard_name: str) -> None:
+    """An index in `policy` mapping every tensor of its `model.safetensors` to `shard_name`."""
+    index = {"metadata": {}, "weight_map": dict.fromkeys(load_file(policy / WEIGHTS), shard_name)}
+    (policy / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(model_dir, served, weights_dir, tmp_path):
+    outside = _policy(model_dir("qwen3"), tmp_path / "outside", scale=2.0)
+    for n, name in enumerate(("../../outside/model.safetensors", str(outside / WEIGHTS))):
+        policy = _policy(model_dir("qwen3"), weights_dir / f"policy-{n}")
+        _write_index(policy, name)
+        (policy / WEIGHTS).unlink()
+        with pytest.raises(ForbiddenWeightsPath, match="outside"):
+            read_weights(resolve_weights_path(policy.name, weights_dir), served)
+    inside = _policy(model_dir("qwen3"), weights_dir / "sharded")  # a shard in a subfolder is fine
+    _write_index(inside, "shards/part.safetensors")
+    (inside / "shards").mkdir()
+    (inside / WEIGHTS).rename(inside / "shards" / "part.safetensors")
+    assert set(read_weights(inside, served)) == {name for name, _ in served.named_parameters()}
+
+
+@pytest.mark.parametrize("linked", [WEIGHTS, "config.json", "model.safetensors.index.json"])
+def test_a_symlink_out_of_the_checkpoint_is_refused(linked, model_dir, served, weights_dir, tmp_path):
+    outside = _policy(model_dir("qwen3"), tmp_path / "outside", scale=2.0)
+    policy = _policy(model_dir("qwen3"), weights_dir / "policy")
+    _write_index(policy, WEIGHTS)
+    shutil.copy(policy / "model.safetensors.index.json", outside)
+    (policy / linked).unlink()
+    (policy / linked).symlink_to(outside / linked)
+    with pytest.raises(ForbiddenWeightsPath, match=rf"{re.escape(linked)}.*is outside"):
+        read_weights(resolve_weights_path("policy", weights_dir), served)
+
+
+def _truncate(policy: Path) -> None:
+    data = (policy / WEIGHTS).read_bytes()
+    (policy / WEIGHTS).write_bytes(data[: len(data) // 2])
+
+
+def _set_config(policy: Path, **values) -> None:
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**config, **values}))
+
+
+BROKEN = {
+    "truncated safetensors": (WEIGHTS, _truncate),
+    "empty safetensors": (WEIGHTS, lambda p: (p / WEIGHTS).write_bytes(b"")),
+    "corrupt config.json": ("config.json", lambda p: (p / "config.json").write_text('{"architectures": [')),
+    "config.json not an object": ("config.json", lambda p: (p / "config.json").write_text("[1, 2]")),
+    "config.json with a string for a number": ("config.json", lambda p: _set_config(p, rope_theta="high")),
+    "config.json with a wrong type": ("config.json", lambda p: _set_config(p, num_attention_heads="many")),
+    "corrupt index": (
+        "model.safetensors.index.json",
+        lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": {"a": '),
+    ),
+    "index without weight_map": (
+        "model.safetensors.index.json",
+        lambda p: (p / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_broken_checkpoint_is_a_weights_error_naming_the_file(case, model_dir, served, weights_dir):
+    file, damage = BROKEN[case]
+    policy = _policy(model_dir("qwen3"), weights_dir / "policy")
+    damage(policy)
+    with pytest.raises(WeightsError, match=re.escape(str(policy / file))):
+        read_weights(policy, served)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused(value, model_dir, served, weights_dir):
+    policy = _policy(model_dir("qwen3"), weights_dir / "policy")
+    tensors = load_file(policy / WEIGHTS)
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 4] = value
+    save_file(tensors, policy / WEIGHTS)
+    with pytest.raises(WeightsError, match=r"layers\.1\.mlp\.down_proj\.weight holds NaN or infinite values"):
+        read_weights(policy, served)
+
+
+def test_the_server_answers_4xx_keeps_its_weights_and_never_goes_back_a_version(
+    make_engine, serve, model_dir, weights_dir, tmp_path
+):
+    engine = make_engine()
+    server = serve(engine, weights_dir=weights_dir)
+    update = f"{server.url}/update_weights"
+    greedy = {"prompt_token_ids": [5, 6, 7], "sampling": {"temperature": 0, "max_tokens": 8}}
+
+    def tokens() -> list[int]:
+        return httpx.post(f"{server.url}/generate", json=greedy).json()["outputs"][0]["samples"][0]["token_ids"]
+
+    before = tokens()
+    escaping = _policy(model_dir("qwen3"), weights_dir / "escaping")
+    _write_index(escaping, str(_policy(model_dir("qwen3"), tmp_path / "outside", scale=3.0) / WEIGHTS))
+    (escaping / WEIGHTS).unlink()
+    refused = httpx.post(update, json={"path": "escaping", "version": 1})
+    assert refused.status_code == 403 and "outside" in refused.json()["error"]["message"]
+    truncated = _policy(model_dir("qwen3"), weights_dir / "truncated")
+    _truncate(truncated)
+    refused = httpx.post(update, json={"path": "truncated", "version": 1})
+    assert refused.status_code == 400 and str(truncated / WEIGHTS) in refused.json()["error"]["message"]
+    poisoned = _policy(model_dir("qwen3"), weights_dir / "poisoned", scale=float("nan"))
+    refused = httpx.post(update, json={"path": poisoned.name, "version": 1})
+    assert refused.status_code == 400 and "NaN or infinite" in refused.json()["error"]["message"]
+    assert engine.version == 0 and tokens() == before  # nothing was touched
+
+    _policy(model_dir("qwen3"), weights_dir / "policy-2", scale=3.0)
+    assert httpx.post(update, json={"path": "policy-2", "version": 2}, timeout=30).status_code == 200
+    changed = tokens()
+    assert changed != before
+    older = httpx.post(update, json={"path": "policy-2", "version": 1})
+    assert older.status_code == 409 and "older than the served version 2" in older.json()["error"]["message"]
+    again = httpx.post(update, json={"path": "policy-2", "version": 2}, timeout=30)  # a retried update is fine
+    assert again.status_code == 200 and engine.version == 2 and tokens() == changed
