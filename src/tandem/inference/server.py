@@ -494,17 +494,21 @@ class InferenceServer:
 
     async def update_weights(self, request: Request) -> Response:
         body = await _parse(request, UpdateWeightsRequest)
-        try:
-            path = resolve_weights_path(body.path, self.weights_dir)
-        except WeightsError as error:
-            status = 403 if isinstance(error, ForbiddenWeightsPath) else 400
-            raise HTTPError(status, str(error), param="path") from None
         async with self._weights_lock:
+            if body.version < self.engine.version:  # a late or duplicated update must not roll the policy back
+                raise HTTPError(
+                    409,
+                    f"policy version {body.version} is older than the served version {self.engine.version}; "
+                    "versions never go backwards (restart the server to serve an older policy)",
+                    param="version",
+                )
             started = time.monotonic()
             try:
+                path = resolve_weights_path(body.path, self.weights_dir)
                 tensors = await asyncio.to_thread(read_weights, path, self.engine.model)
             except WeightsError as error:
-                raise HTTPError(400, str(error), param="path") from None
+                status = 403 if isinstance(error, ForbiddenWeightsPath) else 400
+                raise HTTPError(status, str(error), param="path") from None
             load_s = time.monotonic() - started
             pause_s = await asyncio.wrap_future(self.engine.swap_weights(tensors, body.version))
         logger.info("loaded %s as policy version %d (read %.2f s, paused %.3f s)", path, body.version, load_s, pause_s)

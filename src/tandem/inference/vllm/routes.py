@@ -80,10 +80,13 @@ class RouteSettings:
 
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over a checkpoint directory's safetensors (headers only)."""
+    """Tensor name -> shape over a checkpoint directory's safetensors (headers only); OutsideDirectoryError for a
+    file that links out of the directory."""
+    from tandem.models import resolve_inside
+
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as handle:
+        with safe_open(resolve_inside(file, path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
