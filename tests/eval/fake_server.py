@@ -3,7 +3,8 @@
 It answers `/v1/chat/completions` with `answer(messages)` (cut to `max_tokens`
 words, finish_reason "length"), and can be told to sleep (`delay`), to fail the
 next requests with a status (`fail_next`), to fail every request
-(`status_always`), and to report a queue depth header.
+(`status_always`), to answer `/v1/models` with an error status (`models_status`), and to report a queue
+depth header.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class FakeServer:
         self.delay: Callable[[Messages], float] = lambda messages: 0.0
         self.status_always: int | None = None
         self.queue_depth: int | None = None
+        self.models_status: int | None = None
         self.requests: list[dict[str, Any]] = []
         self._failures: list[int] = []
         self._lock = threading.Lock()
@@ -74,6 +76,8 @@ class FakeServer:
         self._socket.close()
 
     async def _models(self, request: Request) -> Response:
+        if self.models_status is not None:
+            return JSONResponse({"error": {"message": "no model list here"}}, status_code=self.models_status)
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _chat(self, request: Request) -> Response:

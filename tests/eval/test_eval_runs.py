@@ -180,3 +180,25 @@ def test_an_unreachable_server_fails_the_eval(tmp_path, fake_server):
                              "--env.retries.max-retries", "0")  # fmt: skip
     assert code == 1
     assert "GET /v1/models: ConnectError" in (run_dir / "logs" / "eval.log").read_text()
+
+
+def test_a_model_the_server_does_not_serve_is_refused_before_any_rollout(tmp_path, fake_server, capsys):
+    code, _ = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 3}", "--model", "my-model")
+    assert code == 2
+    assert fake_server.requests == []  # no rollout was sent to a model that is not there
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"tandem eval: error: --model 'my-model': {fake_server.url}/v1 does not serve it; "
+        "it serves 'fake-model' (GET /v1/models)"
+    )
+    code, run_dir = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 3}",
+                             "--model", "fake-model")  # fmt: skip
+    assert code == 0 and len(read_traces(run_dir / "traces.jsonl")) == 3
+
+
+def test_a_server_without_a_model_list_is_evaluated_with_the_model_given(tmp_path, fake_server):
+    fake_server.models_status = 404
+    code, run_dir = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 2}", "--model", "m")
+    assert code == 0
+    assert [request["model"] for request in fake_server.requests] == ["m", "m"]
+    assert "cannot check --model 'm'" in (run_dir / "logs" / "eval.log").read_text()

@@ -1,7 +1,9 @@
-"""Killing an eval with SIGKILL, then `--resume`: every rollout once; a changed config is refused."""
+"""Killing an eval with SIGKILL, then `--resume`: every rollout once; a changed config is refused; a second
+eval in a run directory in use is refused; the resumed run takes its server and sources from its saved config."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -36,6 +38,10 @@ def test_kill_9_then_resume_runs_each_rollout_exactly_once(tmp_path, fake_server
         assert process.poll() is None, process.stderr.read().decode()
         assert time.monotonic() < deadline, "the eval wrote no traces in 30 s"
         time.sleep(0.01)
+    fake_server.delay = lambda messages: 0.5  # the first eval has seconds left while a second one tries
+    assert main(["eval", *eval_argv(fake_server.url), "--resume", str(run_dir)]) == 2
+    assert process.poll() is None
+    assert f"{run_dir} is in use by another eval (pid {process.pid})" in capsys.readouterr().err
     process.send_signal(signal.SIGKILL)
     assert process.wait(timeout=10) == -signal.SIGKILL
     process.stderr.close()
@@ -72,3 +78,40 @@ def test_resume_refuses_a_changed_config_and_a_fresh_run_refuses_an_old_dir(tmp_
     assert "not an eval run directory" in capsys.readouterr().err
     assert main(["eval", *argv, "--concurrency.max", "9", "--resume", run_dir]) == 0  # how it runs may change
     assert len(read_traces(tmp_path / "ev" / "traces.jsonl")) == 2
+
+
+def test_resume_alone_takes_the_server_and_sources_from_the_run(tmp_path, fake_server):
+    sources = tmp_path / "sources.toml"
+    sources.write_text('[[source]]\nid = "arithmetic"\nargs = { num_tasks = 3 }\n\n[concurrency]\ninitial = 1\n')
+    argv = ["eval", "@", str(sources), "--base-url", f"{fake_server.url}/v1", "--model", fake_server.model]
+    assert main([*argv, "--output-dir", str(tmp_path), "--run-name", "ev"]) == 0
+    run_dir = tmp_path / "ev"
+    traces = run_dir / "traces.jsonl"
+    kept = traces.read_text().splitlines(keepends=True)[:1]
+    traces.write_text("".join(kept))  # as if killed after the first rollout
+    assert main(["eval", "@", str(sources), "--resume", str(run_dir)]) == 0  # the README's command
+    assert len(fake_server.requests) == 3 + 2
+    traces.write_text("".join(kept))
+    assert main(["eval", "--resume", str(run_dir)]) == 0
+    assert len(fake_server.requests) == 3 + 2 + 2
+    assert all(request["model"] == fake_server.model for request in fake_server.requests)
+    assert len(read_traces(traces)) == 3
+
+
+def test_repeated_and_corrupt_trace_lines_count_once(tmp_path, fake_server):
+    argv = ["eval", "arithmetic", "--base-url", fake_server.url, "--env.args", "{num_tasks = 4}"]
+    assert main([*argv, "--output-dir", str(tmp_path), "--run-name", "ev"]) == 0
+    run_dir = tmp_path / "ev"
+    traces = run_dir / "traces.jsonl"
+    first, second, *_ = traces.read_text().splitlines(keepends=True)
+    failed = json.loads(second) | {"outcome": "error", "reward": 0.0}
+    with open(traces, "a") as handle:  # a second writer appended copies of rollouts already there
+        handle.write(first + json.dumps(failed) + "\n" + "{not json}\n")
+    requests = len(fake_server.requests)
+    assert main([*argv, "--resume", str(run_dir)]) == 0
+    assert len(fake_server.requests) == requests  # nothing was missing
+    log = (run_dir / "logs" / "eval.log").read_text()
+    assert "traces.jsonl: skipped 1 corrupt line(s) (line 7)" in log
+    assert "traces.jsonl: skipped 2 line(s) repeating a rollout already read (line 5, 6)" in log
+    summary = json.loads((run_dir / "summary.json").read_text())["sources"]["arithmetic"]
+    assert summary["rollouts"] == 4 and summary["outcomes"]["error"] == 0

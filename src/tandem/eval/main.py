@@ -22,11 +22,13 @@ from tandem.config.eval import EvalConfig
 from tandem.eval.client import OpenAIClient, RequestError
 from tandem.eval.concurrency import AdaptiveLimiter, AimdController
 from tandem.eval.local_server import ServerStartError, local_server
+from tandem.eval.lock import run_lock
 from tandem.eval.progress import EvalProgress
 from tandem.eval.resume import resumed_config
 from tandem.eval.runner import Source, load_source, pending_rollouts, run_rollouts
 from tandem.eval.summary import render_table, summarize_source
-from tandem.eval.traces import TraceWriter, read_traces
+from tandem.eval.traces import read_traces
+from tandem.jsonl import JsonlWriter
 from tandem.run import atomic_write_text, prepare_run_dir
 
 logger = logging.getLogger(__name__)
@@ -36,29 +38,30 @@ SUMMARY = "summary.json"
 
 
 def run_eval(config: EvalConfig) -> int:
+    if config.resume is not None:
+        config = resumed_config(config)
     if not config.source:
         raise ConfigError(
             "nothing to evaluate: name an environment (`tandem eval gsm8k`), set --env.id, or add [[source]] blocks"
         )
     if config.base_url is None and not config.model.name:
         raise ConfigError("no server to evaluate: give --model DIR (starts the built-in server) or --base-url URL")
-    if config.resume is not None:
-        config = resumed_config(config)
-    elif (config.run_dir / TRACES).exists():
-        raise ConfigError(
-            f"{config.run_dir} already holds an eval: continue it with --resume {config.run_dir}, "
-            "or pick another --run-name"
-        )
     sources = [load_source(source) for source in config.source]
-    run_dir = prepare_run_dir(config)
-    traces = run_dir / TRACES
-    try:
-        with _server(config, run_dir) as base_url:
-            asyncio.run(_evaluate(config, base_url, sources, traces))
-    except (ServerStartError, RequestError) as error:
-        logger.error("%s", error)
-        return 1
-    return _summarize(run_dir, sources, read_traces(traces))
+    with run_lock(config.run_dir):
+        if config.resume is None and (config.run_dir / TRACES).exists():
+            raise ConfigError(
+                f"{config.run_dir} already holds an eval: continue it with --resume {config.run_dir}, "
+                "or pick another --run-name"
+            )
+        run_dir = prepare_run_dir(config)
+        traces = run_dir / TRACES
+        try:
+            with _server(config, run_dir) as base_url:
+                records = asyncio.run(_evaluate(config, base_url, sources, traces))
+        except (ServerStartError, RequestError) as error:
+            logger.error("%s", error)
+            return 1
+        return _summarize(run_dir, sources, records)
 
 
 @contextmanager
@@ -78,21 +81,33 @@ def _server(config: EvalConfig, run_dir: Path) -> Iterator[str]:
 
 
 async def _model_id(client: OpenAIClient, config: EvalConfig) -> str:
-    """`model.name` for a server given by URL; otherwise (or when unset) the first model the server lists."""
-    if config.base_url is not None and config.model.name:
-        return config.model.name
-    served = await client.models()
+    """The model to request: `model.name` for a server given by URL, checked against the ids it serves (a
+    name it does not serve would fail every rollout); otherwise (or when unset) the first id it lists."""
+    name = config.model.name if config.base_url is not None else ""
+    try:
+        served = await client.models()
+    except RequestError as error:
+        if not name or error.kind != "status":
+            raise
+        logger.warning("cannot check --model %r against the server's models: %s", name, error)
+        return name
+    if name and name not in served:
+        raise ConfigError(
+            f"--model {name!r}: {config.base_url} does not serve it; "
+            f"it serves {', '.join(map(repr, served)) or 'no model'} (GET /v1/models)"
+        )
     if not served:
         raise RequestError("protocol", "GET /v1/models lists no model to evaluate")
-    return served[0]
+    return name or served[0]
 
 
-async def _evaluate(config: EvalConfig, base_url: str, sources: list[Source], traces: Path) -> None:
-    done = read_traces(traces)
-    todo = pending_rollouts(sources, {record["key"] for record in done})
-    logger.info("%d rollouts to run, %d already in %s", len(todo), len(done), traces)
+async def _evaluate(config: EvalConfig, base_url: str, sources: list[Source], traces: Path) -> list[dict[str, Any]]:
+    """Run the rollouts `traces` does not hold yet; every record of the eval back, earlier ones first."""
+    records = read_traces(traces)
+    todo = pending_rollouts(sources, {record["key"] for record in records})
+    logger.info("%d rollouts to run, %d already in %s", len(todo), len(records), traces)
     if not todo:
-        return
+        return records
     limiter = AdaptiveLimiter(AimdController(config.concurrency))
     client = OpenAIClient(
         base_url,
@@ -104,8 +119,14 @@ async def _evaluate(config: EvalConfig, base_url: str, sources: list[Source], tr
     async with client:
         model = await _model_id(client, config)
         totals = {source.name: source.expected for source in sources}
-        with TraceWriter(traces) as writer, EvalProgress(totals, done, limiter) as progress:
-            await run_rollouts(todo, client, model, limiter, writer, progress.add)
+        with JsonlWriter(traces) as writer, EvalProgress(totals, records, limiter) as progress:
+            await run_rollouts(todo, client, model, limiter, writer, lambda record: _keep(record, records, progress))
+    return records
+
+
+def _keep(record: dict[str, Any], records: list[dict[str, Any]], progress: EvalProgress) -> None:
+    records.append(record)
+    progress.add(record)
 
 
 def _summarize(run_dir: Path, sources: list[Source], records: list[dict[str, Any]]) -> int:

@@ -20,7 +20,8 @@ from tandem.config.eval import EvalSourceConfig, SamplingConfig
 from tandem.envs import Message, Task, Taskset, apply_select, load_env, run_episode
 from tandem.eval.client import ChatCompletion, OpenAIClient, RequestError
 from tandem.eval.concurrency import AdaptiveLimiter
-from tandem.eval.traces import TraceWriter, trace_key
+from tandem.eval.traces import trace_key
+from tandem.jsonl import JsonlWriter
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ async def run_rollouts(
     client: OpenAIClient,
     model: str,
     limiter: AdaptiveLimiter,
-    writer: TraceWriter,
+    writer: JsonlWriter,
     on_record: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> None:
     """Run `rollouts` with at most `limiter.limit` in flight, appending each trace as it finishes.

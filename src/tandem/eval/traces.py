@@ -1,21 +1,23 @@
-"""The trace stream: append-only JSONL, one finished rollout a line, flushed as it finishes.
+"""The trace stream: append-only JSONL (`tandem.jsonl`), one finished rollout a line, flushed as it finishes.
 
-Each record carries a `key`, a hash of (source, task id, rollout index), so a
-resumed run skips the keys it finds and reruns the rest. A record counts once
-its newline is written: a process killed mid-write leaves at most a
-half-written last line, which the reader ignores and the writer cuts off
-before it appends.
+Each record carries a `key`, a hash of (source, task id, rollout index), so a resumed run skips the keys
+it finds and reruns the rest. Reading trusts nothing it did not write whole: a half-written last line is
+ignored (and cut off by the next `JsonlWriter`), a line that is not a trace record is skipped, and a key
+seen twice counts once, the first time, so no summary counts a rollout twice.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import logging
 from pathlib import Path
 from typing import Any
 
-_CHUNK = 1 << 16
+from tandem.eval.summary import OUTCOMES
+from tandem.jsonl import JsonlReport, iter_records
+
+logger = logging.getLogger(__name__)
 
 
 def trace_key(source: str, task_id: str, rollout: int) -> str:
@@ -23,59 +25,59 @@ def trace_key(source: str, task_id: str, rollout: int) -> str:
     return hashlib.sha256(json.dumps([source, task_id, rollout]).encode()).hexdigest()
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_trace(record: dict[str, Any]) -> bool:
+    """Whether `record` has the fields the summary and the progress read, with usable types."""
+    task, tokens = record.get("task"), record.get("tokens")
+    return (
+        isinstance(record.get("key"), str)
+        and isinstance(record.get("source"), str)
+        and record.get("outcome") in OUTCOMES
+        and _number(record.get("reward"))
+        and _number(record.get("latency_s"))
+        and isinstance(task, dict)
+        and isinstance(task.get("id"), str)
+        and isinstance(tokens, dict)
+        and all(_number(tokens.get(kind)) for kind in ("prompt", "completion"))
+    )
+
+
+def _lines(numbers: list[int], count: int) -> str:
+    """`3, 8, 9` for the lines skipped, the first five of `count`."""
+    shown = ", ".join(map(str, numbers[:5]))
+    return f"{shown}, ..." if count > 5 else shown
+
+
 def read_traces(path: Path) -> list[dict[str, Any]]:
-    """Every complete record in the stream (none if it does not exist yet); a bad complete line is an error."""
-    if not path.is_file():
-        return []
-    complete = path.read_bytes()
-    complete = complete[: complete.rfind(b"\n") + 1]
-    records = []
-    for number, line in enumerate(complete.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not a JSON trace record ({error})") from None
+    """Every rollout in the stream once, in order (none if it does not exist yet).
+
+    Corrupt lines (not JSON, or not a trace record) and repeated keys (a later line for a rollout already
+    read) are skipped, and one warning names how many and which lines.
+    """
+    corrupt = JsonlReport()
+    records: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    repeated: list[int] = []
+    for number, record in iter_records(path, report=corrupt):
+        if not is_trace(record):
+            corrupt.add(number)
+        elif record["key"] in seen:
+            repeated.append(number)
+        else:
+            seen.add(record["key"])
+            records.append(record)
+    if corrupt.corrupt:
+        logger.warning(
+            "%s: skipped %d corrupt line(s) (line %s)", path, corrupt.corrupt, _lines(corrupt.examples, corrupt.corrupt)
+        )
+    if repeated:
+        logger.warning(
+            "%s: skipped %d line(s) repeating a rollout already read (line %s); the first one counts",
+            path,
+            len(repeated),
+            _lines(repeated, len(repeated)),
+        )
     return records
-
-
-def _cut_partial_line(path: Path) -> None:
-    """Truncate the file after its last newline, dropping a line a killed writer left half-written."""
-    with open(path, "r+b") as handle:
-        end = handle.seek(0, os.SEEK_END)
-        position, keep = end, 0
-        while position > 0:
-            size = min(_CHUNK, position)
-            position -= size
-            handle.seek(position)
-            newline = handle.read(size).rfind(b"\n")
-            if newline != -1:
-                keep = position + newline + 1
-                break
-        if keep < end:
-            handle.truncate(keep)
-
-
-class TraceWriter:
-    """Appends records to a trace stream; each `write` is one line, flushed before it returns."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            _cut_partial_line(path)
-        self._file = open(path, "ab")  # noqa: SIM115 (closed by close() / the context manager)
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> TraceWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

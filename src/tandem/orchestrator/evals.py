@@ -10,7 +10,7 @@ from tandem.eval.client import OpenAIClient
 from tandem.eval.concurrency import AdaptiveLimiter, AimdController
 from tandem.eval.runner import load_source, pending_rollouts, run_rollouts
 from tandem.eval.summary import summarize_source
-from tandem.eval.traces import TraceWriter
+from tandem.jsonl import JsonlWriter
 
 
 async def run_online_eval(
@@ -22,7 +22,7 @@ async def run_online_eval(
     records: list[dict[str, Any]] = []
     async with OpenAIClient(base_url, api_key=api_key, on_feedback=limiter.record) as client:
         model = (await client.models())[0]
-        with TraceWriter(out_dir / "traces.jsonl") as writer:
+        with JsonlWriter(out_dir / "traces.jsonl") as writer:
             await run_rollouts(pending_rollouts(sources, set()), client, model, limiter, writer, records.append)
     metrics: dict[str, Any] = {}
     for source in sources:
