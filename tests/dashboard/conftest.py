@@ -2,46 +2,38 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from dashboard_records import heartbeat, rollout, trace, write_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))  # the eval tests' fake OpenAI server
 
 OLD = 1_700_000_000  # an mtime far in the past: nothing written recently
 
 
-def write_jsonl(path: Path, records: list[dict], tail: str = "") -> None:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records) + tail)
-
-
-def trace(index: int, source: str, outcome: str, reward: float) -> dict:
-    return {
-        "key": f"k{index}", "source": source, "task": {"id": f"t{index // 2}"}, "rollout": index % 2,
-        "prompt": [{"role": "user", "content": f"question {index}"}], "completion": f"answer {index}",
-        "reward": reward, "metrics": {"exact": reward}, "outcome": outcome,
-        "tokens": {"prompt": 5, "completion": 3}, "latency_s": 0.1,
-    }  # fmt: skip
-
-
 @pytest.fixture
 def outputs(tmp_path) -> Path:
-    """rl-run (finished, 5 steps, half-written last line), sft-old (failed), evals (running, no summary)."""
+    """rl-run (finished, 5 steps, half-written last line, rollouts, a server heartbeat), sft-old (failed),
+    evals (running, no summary)."""
     rl = tmp_path / "rl-run"
     rl.mkdir()
     (rl / "rl.toml").write_text("max_steps = 5\n[trainer]\nmax_steps = 5\n")
     trainer = [
-        {"step": s, "loss": 1.0 / s, "grad_norm": 2.0, "masked_low": 0.01, "masked_high": 0.02} for s in range(1, 6)
+        {"step": s, "loss": 1.0 / s, "grad_norm": 2.0, "masked_low": 0.01, "masked_high": 0.02, "idle_s": float(s)}
+        for s in range(1, 6)
     ]
     write_jsonl(rl / "metrics.jsonl", trainer, tail='{"step": 6, "lo')
     orchestrator = [
-        {"step": s, "reward": 0.1 * s, "reward/a": 0.2 * s, "staleness": {"0": 3, "1": 1}} for s in range(1, 6)
+        {"step": s, "reward": 0.1 * s, "reward/a": 0.2 * s, "staleness": {"0": 3, "1": 1}, "inference_idle_s": s * s}
+        for s in range(1, 6)
     ]
     orchestrator.insert(2, {"kind": "eval", "step": 2, "eval/a/reward": 0.5, "eval/a/pass@1": 0.5, "eval/a/ok": 4})
     write_jsonl(rl / "orchestrator_metrics.jsonl", orchestrator)
+    write_jsonl(rl / "rollouts.jsonl", [rollout(i) for i in range(10)])
+    write_jsonl(rl / "inference_metrics.jsonl", [heartbeat(i) for i in range(4)])
 
     sft = tmp_path / "sft-old"
     sft.mkdir()

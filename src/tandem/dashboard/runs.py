@@ -1,59 +1,51 @@
 """Reading run directories without disturbing the jobs that write them.
 
+Every file the dashboard opens is named relative to a run and resolved first: a run whose real path is not
+inside the outputs directory, or a file whose real path is not inside its run (a symlink pointing elsewhere),
+is not read. Metrics files are followed as they grow (`tandem.jsonl.JsonlFollower`, one per file, kept between
+requests) into a `Strided` sample of at most `STORED_POINTS` records, so memory is bounded however long a run
+gets. A record that is not a JSON object is skipped and counted; values of the wrong type are ignored where a
+number is needed, so one bad line or run never breaks a page.
+
 Status rule: "finished" if an end marker exists (`summary.json` for an eval, `hf/final` for SFT, or the
-last step reached `max_steps` from the run's TOML); else "running" if a metrics or traces file changed in
-the last `RUNNING_WINDOW_S` seconds; else "failed".
+last step reached `max_steps` from the run's TOML); else "running" if a data file (`DATA_FILES`; an inference
+server's heartbeat counts) changed in the last `RUNNING_WINDOW_S` seconds; else "failed".
 """
 
 from __future__ import annotations
 
-import json
+import math
+import threading
 import time
 import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from tandem.jsonl import JsonlFollower
 
 RUNNING_WINDOW_S = 60.0
 KINDS = ("rl", "sft", "eval", "trainer", "orchestrator", "inference")
-DATA_FILES = ("metrics.jsonl", "orchestrator_metrics.jsonl", "traces.jsonl")
+DATA_FILES = ("metrics.jsonl", "orchestrator_metrics.jsonl", "traces.jsonl", "inference_metrics.jsonl")
+STORED_POINTS = 4096
+"""Records kept per metrics series (an even number): the most a chart can ask for."""
 
-_cache: dict[Path, tuple[int, int, list[dict[str, Any]]]] = {}
-"""path -> (inode, bytes of complete lines parsed, their records): a growing file is read from where it stopped."""
-
-
-def _parse(lines: list[bytes]) -> list[dict[str, Any]]:
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+T = TypeVar("T")
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every JSON object line of `path`; corrupt lines and a half-written last line are skipped.
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool): what a chart can plot and a sum can add."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
-    Only bytes appended since the last call are parsed; a replaced or truncated file is read again.
-    """
+
+def inside(base: Path, relative: str) -> Path | None:
+    """The real path of `base / relative` if it exists and lies inside `base` (which must be real), else None."""
     try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return []
-    inode, offset, records = _cache.get(path, (stat.st_ino, 0, []))
-    if inode != stat.st_ino or stat.st_size < offset:
-        offset, records = 0, []
-    with path.open("rb") as handle:
-        handle.seek(offset)
-        data = handle.read()
-    complete, newline, tail = data.rpartition(b"\n")
-    if newline:
-        records = records + _parse(complete.split(b"\n"))
-        offset += len(complete) + 1
-    _cache[path] = (stat.st_ino, offset, records)
-    return records + _parse([tail]) if tail.strip() else records
+        real = (base / relative).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, unreadable, or a symlink loop
+        return None
+    return real if real.is_relative_to(base) else None
 
 
 def downsample(records: list[Any], max_points: int) -> list[Any]:
@@ -64,79 +56,209 @@ def downsample(records: list[Any], max_points: int) -> list[Any]:
     return [records[round(i * stride)] for i in range(max_points)]
 
 
-def run_dir(outputs: Path, name: str) -> Path | None:
-    """The run `name` if it is a direct child directory of `outputs` (no traversal), else None."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name:
+class Strided:
+    """An evenly strided sample of a growing sequence: every `stride`-th item from the first, at most `capacity`
+    of them (when full, every other one is dropped and the stride doubles), plus always the latest item."""
+
+    def __init__(self, capacity: int = STORED_POINTS):
+        if capacity < 2 or capacity % 2:
+            raise ValueError(f"capacity must be an even number >= 2, not {capacity}")
+        self.capacity = capacity
+        self.count = 0
+        self.stride = 1
+        self._kept: list[Any] = []
+        self.last: Any = None
+
+    def add(self, item: Any) -> None:
+        if self.count % self.stride == 0:
+            self._kept.append(item)
+            if len(self._kept) > self.capacity:
+                del self._kept[1::2]  # kept items are multiples of the stride; the even ones are of twice it
+                self.stride *= 2
+        self.count += 1
+        self.last = item
+
+    def items(self) -> list[Any]:
+        if self.count == 0 or self._kept[-1] is self.last:
+            return list(self._kept)
+        return [*self._kept, self.last]
+
+
+def staleness_mean(staleness: Any) -> float | None:
+    """The mean version lag of a `{lag: count}` histogram; None if it is not one."""
+    if not isinstance(staleness, dict):
         return None
-    path = outputs / name
-    return path if path.is_dir() and path.parent.resolve() == outputs.resolve() else None
+    try:
+        pairs = [(int(lag), count) for lag, count in staleness.items() if is_number(count)]
+    except ValueError:
+        return None
+    total = sum(count for _, count in pairs)
+    return sum(lag * count for lag, count in pairs) / total if total > 0 else None
+
+
+class MetricsLog:
+    """One JSONL metrics file, followed as it grows: its per-step records and its online eval records
+    (`"kind": "eval"`), each a `Strided` sample.
+
+    Values that need every record are derived as records arrive, before sampling drops any: the trainer's
+    cumulative idle time (it logs `idle_s` per step), the inference servers' idle time per step (the orchestrator
+    logs `inference_idle_s` cumulatively), the mean staleness, and the heartbeat's `uptime_s`.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._follower = JsonlFollower(path)
+        self.error: str | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps = Strided()
+        self.evals = Strided()
+        self.max_step = 0
+        self._idle_total = 0.0
+        self._inference_idle: float | None = None
+        self._first_time: float | None = None
+
+    def notes(self) -> list[str]:
+        """What could not be read: the file itself, or lines that are not a JSON object."""
+        notes = [self.error] if self.error else []
+        if corrupt := self._follower.report.corrupt:
+            notes.append(f"{self.path.name}: {corrupt} corrupt lines skipped")
+        return notes
+
+    def update(self) -> MetricsLog:
+        try:
+            records = self._follower.new_records()
+        except OSError as error:
+            self.error = f"{self.path.name}: {error.strerror or error}"
+            return self
+        self.error = None
+        if self._follower.restarted:
+            self._reset()
+        for record in records:
+            self._derive(record)
+            (self.evals if record.get("kind") == "eval" else self.steps).add(record)
+        return self
+
+    def _derive(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        if is_number(step):
+            self.max_step = max(self.max_step, step)
+        idle = record.get("idle_s")
+        if is_number(idle):
+            self._idle_total += idle
+            record["idle_total_s"] = self._idle_total
+        cumulative = record.get("inference_idle_s")
+        if is_number(cumulative):
+            previous = self._inference_idle
+            fresh = previous is None or cumulative < previous  # the first record, or a restarted orchestrator
+            record["inference_idle_step_s"] = cumulative if fresh else cumulative - previous
+            self._inference_idle = cumulative
+        if (mean := staleness_mean(record.get("staleness"))) is not None:
+            record["staleness_mean"] = mean
+        now = record.get("time")
+        if is_number(now):
+            self._first_time = now if self._first_time is None else self._first_time
+            record["uptime_s"] = now - self._first_time
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run directory: its name under the outputs directory, its real path (inside it) and its kind."""
+
+    name: str
+    path: Path
+    kind: str
+
+    def file(self, relative: str) -> Path | None:
+        return inside(self.path, relative)
 
 
 def run_kind(path: Path) -> str | None:
-    return next((kind for kind in KINDS if (path / f"{kind}.toml").is_file()), None)
+    """The kind of run `path` holds, from the `<kind>.toml` it has; None if it is not a tandem run."""
+    return next((kind for kind in KINDS if (file := inside(path, f"{kind}.toml")) and file.is_file()), None)
 
 
-def _max_steps(path: Path, kind: str) -> int | None:
+def max_steps(run: Run) -> int | None:
+    file = run.file(f"{run.kind}.toml")
     try:
-        config = tomllib.loads((path / f"{kind}.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        config = tomllib.loads(file.read_text()) if file else {}
+    except (OSError, ValueError):  # unreadable, not UTF-8, not TOML
         return None
-    value = config.get("max_steps", config.get("trainer", {}).get("max_steps"))
-    return value if isinstance(value, int) else None
+    trainer = config.get("trainer")
+    value = config.get("max_steps", trainer.get("max_steps") if isinstance(trainer, dict) else None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def training_records(path: Path) -> list[dict[str, Any]]:
-    return read_jsonl(path / "metrics.jsonl")
+def mtime(path: Path | None) -> float | None:
+    try:
+        return path.stat().st_mtime if path else None
+    except OSError:
+        return None
 
 
-def orchestrator_records(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(per-step records, online eval records) of `orchestrator_metrics.jsonl`."""
-    records = read_jsonl(path / "orchestrator_metrics.jsonl")
-    return [r for r in records if r.get("kind") != "eval"], [r for r in records if r.get("kind") == "eval"]
-
-
-def run_status(path: Path, kind: str, steps: int, now: float | None = None) -> str:
-    if kind == "eval":
-        finished = (path / "summary.json").is_file()
+def run_status(run: Run, steps: int, now: float | None = None) -> str:
+    if run.kind == "eval":
+        finished = run.file("summary.json") is not None
     else:
-        max_steps = _max_steps(path, kind)
-        finished = (path / "hf" / "final").is_dir() or (max_steps is not None and steps >= max_steps)
+        limit = max_steps(run)
+        final = run.file("hf/final")
+        finished = (final is not None and final.is_dir()) or (limit is not None and steps >= limit)
     if finished:
         return "finished"
-    mtimes = [p.stat().st_mtime for p in (path / name for name in DATA_FILES) if p.is_file()]
+    mtimes = [m for m in (mtime(run.file(name)) for name in DATA_FILES) if m is not None]
     recent = bool(mtimes) and (now or time.time()) - max(mtimes) < RUNNING_WINDOW_S
     return "running" if recent else "failed"
 
 
-def describe(path: Path) -> dict[str, Any] | None:
-    """One row of the run list, or None if `path` is not a tandem run."""
-    kind = run_kind(path)
-    if kind is None:
-        return None
-    last_reward = None
-    if kind == "eval":
-        traces = read_jsonl(path / "traces.jsonl")
-        steps = len(traces)
-        rewards = [t["reward"] for t in traces if isinstance(t.get("reward"), int | float)]
-        last_reward = sum(rewards) / len(rewards) if rewards else None
-    else:
-        orchestrator, _ = orchestrator_records(path)
-        trainer = training_records(path)
-        steps = max((r.get("step", 0) for r in trainer + orchestrator), default=0)
-        last_reward = orchestrator[-1].get("reward") if orchestrator else None
-    return {
-        "name": path.name,
-        "kind": kind,
-        "status": run_status(path, kind, steps),
-        "started": (path / f"{kind}.toml").stat().st_mtime,
-        "steps": steps,
-        "last_reward": last_reward,
-    }
+class Outputs:
+    """The runs directly under an outputs directory, with the followers of their files kept between requests.
 
+    The server runs handlers in a thread pool: a handler holds `lock` while it reads followed records.
+    """
 
-def list_runs(outputs: Path) -> list[dict[str, Any]]:
-    """Every run and eval directly under `outputs`, newest first."""
-    if not outputs.is_dir():
-        return []
-    rows = [describe(path) for path in outputs.iterdir() if path.is_dir()]
-    return sorted((row for row in rows if row), key=lambda row: row["started"], reverse=True)
+    def __init__(self, root: Path):
+        self.root = root.resolve()
+        self._followed: dict[Path, Any] = {}
+        self.lock = threading.RLock()
+
+    def run(self, name: str) -> Run | None:
+        """The run `name` if it is a direct child of the outputs directory whose real path is inside it."""
+        if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+            return None
+        path = inside(self.root, name)
+        if path is None or path == self.root or not path.is_dir():
+            return None
+        kind = run_kind(path)
+        return Run(name, path, kind) if kind else None
+
+    def runs(self) -> list[Run]:
+        try:
+            names = sorted(child.name for child in self.root.iterdir())
+        except OSError:
+            return []
+        return [run for run in map(self.run, names) if run]
+
+    def _follow(self, path: Path | None, factory: Callable[[Path], T]) -> T | None:
+        """The follower of `path` (None if the file is missing or outside its run), brought up to date."""
+        if path is None or not path.is_file():
+            return None
+        with self.lock:
+            follower = self._followed.get(path)
+            if not isinstance(follower, factory):  # type: ignore[arg-type]
+                follower = self._followed[path] = factory(path)
+            follower.update()  # type: ignore[attr-defined]
+            return follower
+
+    def metrics(self, run: Run, name: str) -> MetricsLog | None:
+        return self._follow(run.file(name), MetricsLog)
+
+    def followed(self, run: Run, name: str, factory: Callable[[Path], T]) -> T | None:
+        return self._follow(run.file(name), factory)
+
+    def forget_missing(self, runs: list[Run]) -> None:
+        """Drop the followers of files no longer in a listed run, so a deleted run frees its memory."""
+        with self.lock:
+            for path in list(self._followed):
+                if not any(path.is_relative_to(run.path) for run in runs) or not path.is_file():
+                    del self._followed[path]

@@ -1,96 +1,163 @@
-"""The dashboard's Starlette app: three static pages and a read-only JSON API over the outputs directory."""
+"""The dashboard's Starlette app: three static pages and a read-only JSON API over the outputs directory.
+
+Every query value is checked here (`query_int`, `query_number`): a malformed or out-of-range one is a 400
+naming it. Every response is strict JSON (`StrictJSONResponse`): a NaN or infinity read from a file becomes
+null, since browsers reject the bare `NaN` Python's json module writes. Handlers are plain functions, which
+Starlette runs in a thread pool, so reading a large file never stalls the event loop.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from tandem.dashboard.evals import eval_samples, eval_summary
-from tandem.dashboard.runs import downsample, list_runs, orchestrator_records, run_dir, run_kind, training_records
+from tandem.dashboard.evals import eval_summary
+from tandem.dashboard.listing import list_runs
+from tandem.dashboard.runs import STORED_POINTS, Outputs, Run, downsample
+from tandem.dashboard.samples import SampleFilter, sample_page
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_POINTS = 400
+MAX_SAMPLES = 500
+MAX_OFFSET = 10**9
+MAX_DEPTH = 32
+"""Deeper JSON values are sent as null: no record can exhaust the encoder's stack."""
 
 
-class _NotFound(Exception):
+class NotFound(Exception):
     """A run name that is not a run directly under the outputs directory."""
 
 
-def _staleness_mean(record: dict[str, Any]) -> dict[str, Any]:
-    """The record with `staleness_mean`, the mean version lag of its `staleness` {lag: count} histogram."""
-    staleness = record.get("staleness")
-    if isinstance(staleness, dict) and staleness:
-        total = sum(staleness.values())
-        if total:
-            return {**record, "staleness_mean": sum(int(lag) * n for lag, n in staleness.items()) / total}
-    return record
+class BadQuery(ValueError):
+    """A query value that is malformed or out of range."""
 
 
-def _float(value: str | None) -> float | None:
-    return float(value) if value not in (None, "") else None
+def json_safe(value: Any, depth: int = 0) -> Any:
+    """`value` with NaN and infinities as None, and containers nested deeper than `MAX_DEPTH` as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+        return None
+    if isinstance(value, dict):
+        return {str(key): json_safe(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item, depth + 1) for item in value]
+    return value
 
 
-def create_app(outputs: Path) -> Starlette:
-    """The app serving the runs under `outputs`; every handler only reads files."""
+class StrictJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(json_safe(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def query_int(query: QueryParams, name: str, low: int, high: int, default: int | None = None) -> int | None:
+    raw = query.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadQuery(f"{name}: {raw[:40]!r} is not an integer") from None
+    if not low <= value <= high:
+        raise BadQuery(f"{name}: {value} is outside [{low}, {high}]")
+    return value
+
+
+def query_number(query: QueryParams, name: str) -> float | None:
+    raw = query.get(name, "")
+    if raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadQuery(f"{name}: {raw[:40]!r} is not a number") from None
+    if not math.isfinite(value):
+        raise BadQuery(f"{name}: must be a finite number, not {raw[:40]!r}")
+    return value
+
+
+def sample_filter(query: QueryParams) -> SampleFilter:
+    return SampleFilter(
+        step=query_int(query, "step", 0, MAX_OFFSET),
+        source=query.get("source") or None,
+        outcome=query.get("outcome") or None,
+        min_reward=query_number(query, "min_reward"),
+        max_reward=query_number(query, "max_reward"),
+    )
+
+
+def metrics_payload(outputs: Outputs, run: Run, max_points: int) -> dict[str, Any]:
+    """A run's trainer, orchestrator, online eval and inference heartbeat records, each at most `max_points`."""
+    with outputs.lock:
+        trainer = outputs.metrics(run, "metrics.jsonl")
+        orchestrator = outputs.metrics(run, "orchestrator_metrics.jsonl")
+        inference = outputs.metrics(run, "inference_metrics.jsonl")
+        groups = {"trainer": trainer, "orchestrator": orchestrator, "inference": inference}
+        payload: dict[str, Any] = {
+            "name": run.name,
+            "kind": run.kind,
+            "steps": {name: log.steps.count if log else 0 for name, log in groups.items()},
+        }
+        for name, log in groups.items():
+            payload[name] = downsample(log.steps.items(), max_points) if log else []
+        payload["evals"] = downsample(orchestrator.evals.items(), max_points) if orchestrator else []
+    return payload
+
+
+def create_app(outputs_dir: Path) -> Starlette:
+    """The app serving the runs under `outputs_dir`; every handler only reads files."""
+    outputs = Outputs(outputs_dir)
 
     def page(name: str):
-        async def handler(request: Request) -> Response:
+        def handler(request: Request) -> Response:
             return FileResponse(STATIC / name)
 
         return handler
 
-    def resolve(request: Request) -> Path:
-        path = run_dir(outputs, request.path_params["name"])
-        if path is None or run_kind(path) is None:
-            raise _NotFound
-        return path
+    def resolve(request: Request, kind: str | None = None) -> Run:
+        run = outputs.run(request.path_params["name"])
+        if run is None or (kind is not None and run.kind != kind):
+            raise NotFound
+        return run
 
-    async def runs(request: Request) -> Response:
-        return JSONResponse({"outputs": str(outputs), "runs": list_runs(outputs)})
+    def runs(request: Request) -> Response:
+        return StrictJSONResponse({"outputs": str(outputs.root), "runs": list_runs(outputs)})
 
-    async def metrics(request: Request) -> Response:
-        path = resolve(request)
-        max_points = max(2, min(int(request.query_params.get("max_points", DEFAULT_POINTS)), 5000))
-        trainer = training_records(path)
-        orchestrator, evals = orchestrator_records(path)
-        return JSONResponse(
-            {
-                "name": path.name,
-                "kind": run_kind(path),
-                "steps": {"trainer": len(trainer), "orchestrator": len(orchestrator)},
-                "trainer": downsample(trainer, max_points),
-                "orchestrator": [_staleness_mean(r) for r in downsample(orchestrator, max_points)],
-                "evals": downsample(evals, max_points),
-            }
-        )
+    def metrics(request: Request) -> Response:
+        run = resolve(request)
+        max_points = query_int(request.query_params, "max_points", 2, STORED_POINTS, DEFAULT_POINTS)
+        return StrictJSONResponse(metrics_payload(outputs, run, max_points))
 
-    async def summary(request: Request) -> Response:
-        return JSONResponse(eval_summary(resolve(request)))
+    def summary(request: Request) -> Response:
+        run = resolve(request, "eval")
+        with outputs.lock:
+            return StrictJSONResponse(eval_summary(outputs, run))
 
-    async def samples(request: Request) -> Response:
-        query = request.query_params
-        try:
-            result = eval_samples(
-                resolve(request),
-                outcome=query.get("outcome") or None,
-                source=query.get("source") or None,
-                min_reward=_float(query.get("min_reward")),
-                max_reward=_float(query.get("max_reward")),
-                offset=max(0, int(query.get("offset", 0))),
-                limit=max(1, min(int(query.get("limit", 50)), 500)),
-            )
-        except ValueError as error:
-            return JSONResponse({"error": str(error)}, status_code=400)
-        return JSONResponse(result)
+    def samples(file: str, kind: str | None):
+        def handler(request: Request) -> Response:
+            run = resolve(request, kind)
+            query = request.query_params
+            where = sample_filter(query)
+            offset = query_int(query, "offset", 0, MAX_OFFSET, 0)
+            limit = query_int(query, "limit", 1, MAX_SAMPLES, 50)
+            return StrictJSONResponse(sample_page(run.file(file), where, offset=offset, limit=limit))
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return JSONResponse({"error": "no such run"}, status_code=404)
+        return handler
+
+    def not_found(request: Request, exc: Exception) -> Response:
+        return StrictJSONResponse({"error": "no such run"}, status_code=404)
+
+    def bad_query(request: Request, exc: Exception) -> Response:
+        return StrictJSONResponse({"error": str(exc)}, status_code=400)
 
     routes = [
         Route("/", page("index.html")),
@@ -98,8 +165,9 @@ def create_app(outputs: Path) -> Starlette:
         Route("/eval/{name}", page("eval.html")),
         Route("/api/runs", runs),
         Route("/api/runs/{name}/metrics", metrics),
+        Route("/api/runs/{name}/samples", samples("rollouts.jsonl", None)),
         Route("/api/evals/{name}/summary", summary),
-        Route("/api/evals/{name}/samples", samples),
+        Route("/api/evals/{name}/samples", samples("traces.jsonl", "eval")),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Starlette(routes=routes, exception_handlers={_NotFound: not_found})
+    return Starlette(routes=routes, exception_handlers={NotFound: not_found, BadQuery: bad_query})

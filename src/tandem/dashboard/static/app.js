@@ -63,10 +63,10 @@ function drawChart(svg, series) {
   });
 }
 
-function points(records, key) {
+function points(records, key, x = "step") {
   return records
-    .filter((r) => typeof r[key] === "number" && typeof r.step === "number")
-    .map((r) => [r.step, r[key]]);
+    .filter((r) => typeof r[key] === "number" && typeof r[x] === "number")
+    .map((r) => [r[x], r[key]]);
 }
 
 function keysMatching(records, pattern) {
@@ -75,7 +75,9 @@ function keysMatching(records, pattern) {
   return [...keys].sort();
 }
 
-// Each chart: a title and its series as [records group, key, label] or a pattern over one group's keys.
+// Each chart: a title and its series as [records group, key, label] or a pattern over one group's keys, over
+// `x` (default: step). The trainer logs its idle time per step, the orchestrator the inference servers'
+// cumulatively; the server derives each from the other, so each idle chart has one kind of quantity.
 const CHARTS = [
   { id: "reward", title: "reward", series: [["orchestrator", "reward", "overall"]], pattern: ["orchestrator", /^reward\/.+/] },
   { id: "loss", title: "loss", series: [["trainer", "loss", "loss"]] },
@@ -85,23 +87,31 @@ const CHARTS = [
   { id: "grad_norm", title: "grad norm", series: [["trainer", "grad_norm", "grad norm"]] },
   { id: "tokens_per_s", title: "tokens per second", series: [["trainer", "tokens_per_s", "trainer"], ["orchestrator", "rollout_tokens_per_s", "rollouts"]] },
   { id: "step_time", title: "step time (s)", series: [["trainer", "step_time_s", "trainer step"], ["orchestrator", "batch_time_s", "orchestrator batch"]] },
-  { id: "idle", title: "idle time (s)", series: [["trainer", "idle_s", "trainer"], ["orchestrator", "inference_idle_s", "inference"]] },
+  { id: "idle_step", title: "idle time per step (s): trainer waiting for a batch, inference with nothing in flight", series: [["trainer", "idle_s", "trainer"], ["orchestrator", "inference_idle_step_s", "inference"]] },
+  { id: "idle_total", title: "cumulative idle time (s)", series: [["trainer", "idle_total_s", "trainer"], ["orchestrator", "inference_idle_s", "inference"]] },
   { id: "staleness", title: "staleness (mean version lag)", series: [["orchestrator", "staleness_mean", "mean lag"]] },
   { id: "online_eval", title: "online eval reward", series: [], pattern: ["evals", /^eval\/.+\/reward$/] },
   { id: "online_eval_pass", title: "online eval pass@k", series: [], pattern: ["evals", /^eval\/.+\/pass@\d+$/] },
+  { id: "inference_tokens", title: "inference tokens per second (x: seconds up)", x: "uptime_s", series: [["inference", "tokens_per_s", "tokens/s"]] },
+  { id: "inference_queue", title: "inference requests (x: seconds up)", x: "uptime_s", series: [["inference", "running", "running"], ["inference", "waiting", "waiting"]] },
+  { id: "kv_usage", title: "KV cache use (x: seconds up)", x: "uptime_s", series: [["inference", "kv_usage", "used"]] },
 ];
 
 function chartSeries(chart, data) {
-  const series = chart.series.map(([group, key, label]) => ({ label, points: points(data[group], key) }));
+  const x = chart.x ?? "step";
+  const series = chart.series.map(([group, key, label]) => ({ label, points: points(data[group], key, x) }));
   if (chart.pattern) {
     const [group, pattern] = chart.pattern;
-    for (const key of keysMatching(data[group], pattern)) series.push({ label: key, points: points(data[group], key) });
+    for (const key of keysMatching(data[group], pattern)) series.push({ label: key, points: points(data[group], key, x) });
   }
   return series;
 }
 
+const RL_KINDS = ["rl", "orchestrator"];
+
 async function runPage() {
   document.getElementById("title").textContent = RUN_NAME;
+  const base = `/api/runs/${encodeURIComponent(RUN_NAME)}`;
   const container = document.getElementById("charts");
   const views = CHARTS.map((chart) => {
     const box = el("div", { class: "chart", id: `chart-${chart.id}` });
@@ -111,17 +121,29 @@ async function runPage() {
     container.appendChild(box);
     return { chart, box, svg };
   });
+  let browser = null;
   async function refresh() {
-    const data = await getJSON(`/api/runs/${encodeURIComponent(RUN_NAME)}/metrics?max_points=400`);
-    document.getElementById("info").textContent =
-      `${data.kind} · trainer steps ${data.steps.trainer} · orchestrator steps ${data.steps.orchestrator}`;
+    const data = await getJSON(`${base}/metrics?max_points=400`);
+    let shown = 0;
     for (const { chart, box, svg } of views) {
       const series = chartSeries(chart, data);
       drawChart(svg, series);
       const legend = series.map((s, i) => s.points.length &&
         el("span", { style: `color:${COLORS[i % COLORS.length]}` }, `${s.label}: ${fmt(s.points[s.points.length - 1][1])}`));
       box.querySelector(".legend").replaceChildren(...legend.filter(Boolean));
+      box.hidden = !series.some((s) => s.points.length);  // a chart this kind of run has no data for
+      shown += !box.hidden;
     }
+    const { trainer, orchestrator, inference } = data.steps;
+    document.getElementById("info").textContent = `${data.kind} · trainer steps ${trainer} · orchestrator steps ${orchestrator}` +
+      (inference ? ` · inference heartbeats ${inference}` : "") + (shown ? "" : " · no metrics yet");
+    if (!browser && RL_KINDS.includes(data.kind)) {
+      const section = document.getElementById("rollouts");
+      section.hidden = false;
+      browser = sampleBrowser(section.querySelector(".browser"), { api: `${base}/samples`, filters: RL_FILTERS, columns: RL_COLUMNS });
+      await browser.refresh();
+    }
+    for (const key of keysMatching(data.orchestrator, /^reward\/.+/)) browser?.addOption("source", key.slice("reward/".length));
   }
   await refresh();
   setInterval(() => refresh().catch(console.error), 3000);
@@ -142,7 +164,8 @@ async function indexPage() {
       link.appendChild(el("a", { href: `/${run.kind === "eval" ? "eval" : "run"}/${encodeURIComponent(run.name)}` }, run.name));
       const status = el("td", { class: `status-${run.status}` }, run.status);
       const started = new Date(run.started * 1000).toLocaleString();
-      return row([link, run.kind, status, started, run.steps, run.last_reward], { "data-run": run.name });
+      const problems = el("td", { class: "problems" }, (run.problems ?? []).join("; "));
+      return row([link, run.kind, status, started, run.steps, run.last_reward, problems], { "data-run": run.name });
     }));
   }
   await refresh();
@@ -150,64 +173,123 @@ async function indexPage() {
 }
 
 const OUTCOMES = ["ok", "truncated", "timeout", "error"];
-const FILTERS = ["source", "outcome", "min_reward", "max_reward"];
 
 // A prompt or completion: a string, or chat messages shown as "role: content" lines.
 function chatText(value) {
-  if (Array.isArray(value)) return value.map((m) => `${m.role}: ${m.content}`).join("\n");
-  return value === null || value === undefined ? "" : String(value);
+  const text = (content) => (typeof content === "string" ? content : JSON.stringify(content));
+  if (Array.isArray(value)) return value.map((m) => `${m?.role}: ${text(m?.content)}`).join("\n");
+  return value === null || value === undefined ? "" : text(value);
+}
+
+// The sample browser's filters: a label and an input each, sent as the query value of the same name.
+const FILTER_INPUTS = {
+  source: () => ["source", el("select", { id: "source" })],
+  outcome: () => ["outcome", el("select", { id: "outcome" })],
+  step: () => ["step", el("input", { id: "step", type: "number", min: 0, step: 1, size: 5 })],
+  min_reward: () => ["min reward", el("input", { id: "min_reward", type: "number", step: "any", size: 5 })],
+  max_reward: () => ["max reward", el("input", { id: "max_reward", type: "number", step: "any", size: 5 })],
+};
+const EVAL_FILTERS = ["source", "outcome", "min_reward", "max_reward"];
+const RL_FILTERS = ["step", "source", "outcome", "min_reward", "max_reward"];
+
+// Columns: [header, value of a sample, "pre" for long text].
+const TEXT_COLUMNS = [
+  ["prompt", (s) => chatText(s.prompt ?? s.messages), "pre"],
+  ["completion", (s) => chatText(s.completion), "pre"],
+  ["metrics", (s) => JSON.stringify(s.metrics ?? {}), "pre"],
+];
+const EVAL_COLUMNS = [
+  ["source", (s) => s.source], ["task", (s) => s.task?.id], ["outcome", (s) => s.outcome], ["reward", (s) => s.reward],
+  ...TEXT_COLUMNS,
+];
+const RL_COLUMNS = [
+  ["step", (s) => s.step], ["source", (s) => s.source], ["task", (s) => s.task_id], ["outcome", (s) => s.outcome],
+  ["reward", (s) => s.reward], ["advantage", (s) => s.advantage], ["policy version", (s) => s.version],
+  ...TEXT_COLUMNS,
+];
+
+// A filterable, paged table of the samples `api` serves, built into `container`. Filters start from the
+// page's URL (`?outcome=timeout`); `addOption` fills a select (e.g. the sources once they are known).
+function sampleBrowser(container, { api, filters, columns }) {
+  const limit = 50;
+  const initial = new URLSearchParams(location.search);
+  let offset = 0, total = 0;
+  const inputs = {};
+  const bar = el("div", { class: "filters" });
+  for (const id of filters) {
+    const [label, input] = FILTER_INPUTS[id]();
+    if (input.tagName === "SELECT") input.appendChild(el("option", { value: "" }, "any"));
+    inputs[id] = input;
+    const wrap = el("label", {}, `${label} `);
+    wrap.appendChild(input);
+    bar.appendChild(wrap);
+  }
+  const button = (label, onclick) => { const b = el("button", {}, label); b.onclick = onclick; bar.append(b, " "); return b; };
+  const count = el("span", { id: "count" });
+  const table = el("table", { id: "samples" });
+  table.append(el("thead"), el("tbody"));
+  table.tHead.appendChild(row(columns.map(([header]) => el("th", {}, header))));
+  container.append(bar, table);
+
+  function addOption(id, value) {
+    const select = inputs[id];
+    if (!select || [...select.options].some((o) => o.value === value)) return;
+    select.appendChild(el("option", { value }, value));
+    if (initial.get(id) === value) select.value = value;
+  }
+  async function refresh() {
+    const query = new URLSearchParams({ offset, limit });
+    for (const [id, input] of Object.entries(inputs)) if (input.value !== "") query.set(id, input.value);
+    const data = await getJSON(`${api}?${query}`);
+    count.textContent = `${data.total} matching, showing ${data.total ? offset + 1 : 0}-${offset + data.samples.length}` +
+      (data.error ? ` (${data.error})` : "");
+    table.tBodies[0].replaceChildren(...data.samples.map((s) => {
+      const cells = columns.map(([, value, kind]) => {
+        if (kind !== "pre") return value(s);
+        const td = el("td");
+        td.appendChild(el("pre", {}, value(s) ?? ""));
+        return td;
+      });
+      return row(cells, { "data-outcome": s.outcome });
+    }));
+    total = data.total;
+    table.dataset.total = String(total);
+  }
+  const reload = () => refresh().catch(console.error);
+  button("prev", () => { offset = Math.max(0, offset - limit); reload(); });
+  button("next", () => { if (offset + limit < total) { offset += limit; reload(); } });
+  button("last", () => { offset = Math.max(0, Math.floor((total - 1) / limit) * limit); reload(); });
+  bar.appendChild(count);
+  for (const outcome of OUTCOMES) addOption("outcome", outcome);
+  for (const [id, input] of Object.entries(inputs)) {
+    if (input.tagName !== "SELECT" && initial.has(id)) input.value = initial.get(id);
+    input.addEventListener("change", () => { offset = 0; reload(); });
+  }
+  return { refresh, addOption };
 }
 
 async function evalPage() {
   document.getElementById("title").textContent = RUN_NAME;
   const base = `/api/evals/${encodeURIComponent(RUN_NAME)}`;
-  let offset = 0, total = 0;
-  const limit = 50;
+  const browser = sampleBrowser(document.getElementById("samples-browser"),
+    { api: `${base}/samples`, filters: EVAL_FILTERS, columns: EVAL_COLUMNS });
   async function refreshSummary() {
     const data = await getJSON(`${base}/summary`);
     document.getElementById("info").textContent = data.final ? "finished (summary.json)" : "in progress (from traces)";
     const sources = Object.entries(data.sources);
-    const select = document.getElementById("source");
-    for (const [name] of sources) {
-      if (![...select.options].some((o) => o.value === name)) select.appendChild(el("option", { value: name }, name));
-    }
-    const ks = [...new Set(sources.flatMap(([, s]) => Object.keys(s.pass_at_k)))].sort((a, b) => a - b);
+    for (const [name] of sources) browser.addOption("source", name);
+    const ks = [...new Set(sources.flatMap(([, s]) => Object.keys(s.pass_at_k ?? {})))].sort((a, b) => a - b);
     const head = ["source", "rollouts", "mean reward", ...ks.map((k) => `pass@${k}`), ...OUTCOMES];
     document.querySelector("#summary thead").replaceChildren(row(head.map((h) => el("th", {}, h))));
     document.querySelector("#summary tbody").replaceChildren(...sources.map(([name, s]) => {
-      const cells = [name, s.rollouts, s.mean_reward, ...ks.map((k) => s.pass_at_k[k])];
+      const cells = [name, s.rollouts, s.mean_reward, ...ks.map((k) => s.pass_at_k?.[k])];
       const tr = row(cells, { "data-source": name });
-      for (const outcome of OUTCOMES) tr.appendChild(el("td", { "data-outcome": outcome }, fmt(s.outcomes[outcome] ?? 0)));
+      for (const outcome of OUTCOMES) tr.appendChild(el("td", { "data-outcome": outcome }, fmt(s.outcomes?.[outcome] ?? 0)));
       return tr;
     }));
   }
-  async function refreshSamples() {
-    const query = new URLSearchParams({ offset, limit });
-    for (const id of FILTERS) {
-      const value = document.getElementById(id).value;
-      if (value !== "") query.set(id, value);
-    }
-    const data = await getJSON(`${base}/samples?${query}`);
-    document.getElementById("count").textContent =
-      `${data.total} matching, showing ${data.total ? offset + 1 : 0}-${offset + data.samples.length}`;
-    document.querySelector("#samples tbody").replaceChildren(...data.samples.map((s) => {
-      const pre = (text) => { const td = el("td"); td.appendChild(el("pre", {}, text ?? "")); return td; };
-      return row([s.source, s.task?.id, s.outcome, s.reward, pre(chatText(s.prompt ?? s.messages)), pre(chatText(s.completion)), pre(JSON.stringify(s.metrics ?? {}))],
-        { "data-outcome": s.outcome });
-    }));
-    total = data.total;
-    document.getElementById("samples").dataset.total = String(total);
-  }
-  const initial = new URLSearchParams(location.search);  // filters can come from the URL: ?outcome=timeout
-  for (const id of FILTERS) {
-    if (initial.has(id)) document.getElementById(id).value = initial.get(id);
-    document.getElementById(id).addEventListener("change", () => { offset = 0; refreshSamples().catch(console.error); });
-  }
-  document.getElementById("prev").onclick = () => { offset = Math.max(0, offset - limit); refreshSamples(); };
-  document.getElementById("next").onclick = () => { if (offset + limit < total) { offset += limit; refreshSamples(); } };
   await refreshSummary();
-  if (initial.has("source")) document.getElementById("source").value = initial.get("source");
-  await refreshSamples();
+  await browser.refresh();
   setInterval(() => refreshSummary().catch(console.error), 5000);
 }
 
