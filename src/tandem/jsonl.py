@@ -46,7 +46,7 @@ def parse_line(line: bytes) -> dict[str, Any] | None:
         return None
     try:
         record = json.loads(line)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, nesting deeper than the stack
         return None
     return record if isinstance(record, dict) else None
 
