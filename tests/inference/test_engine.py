@@ -1,5 +1,6 @@
 """The engine on CPU in fp32: parity with transformers and with the trainer's logprobs, batch invariance,
-chunked prefill and preemption, n > 1 on one prefill, stops, pause / cancel, weight swaps."""
+chunked prefill and preemption, n > 1 on one prefill, stops, pause / cancel, weight swaps, failures contained to
+the request that caused them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 from inference_support import INIT_STD, wait_until
 
 from tandem.inference.decode import decode_inputs, decode_step
+from tandem.inference.engine import Collector
 from tandem.inference.masks import kept_ids_rows
 from tandem.inference.outputs import RequestUpdate
 from tandem.inference.protocol import SamplingParams
+from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.weights import read_weights
 from tandem.models import IGNORE_INDEX, KVCache, load_model
 from tandem.testing.tiny import ARCHITECTURES
@@ -236,22 +239,108 @@ def test_compiled_decode_step_gives_the_same_tokens(make_engine):
     assert [s[0].token_ids for s in got] == [s[0].token_ids for s in expected]
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(make_engine):
-    engine = make_engine()
-    prefill = engine.model.prefill
-    calls = []
+class _PoisonSampler(Sampler):
+    """Fails every step that samples a row with seed POISON, as a request-specific bug on the engine thread would."""
+
+    POISON = 666
+
+    def _check(self, batch: SamplingBatch) -> None:
+        if self.POISON in batch.seeds.tolist():
+            raise RuntimeError("poisoned row")
+
+    def __call__(self, logits, batch):
+        self._check(batch)
+        return super().__call__(logits, batch)
+
+    def on_device(self, logits, batch):
+        self._check(batch)
+        return super().on_device(logits, batch)
+
+
+def _submit_all(engine, jobs):
+    """Submit (prompt, params, n) jobs while paused, so the first step has them all; returns their collectors
+    once all have finished."""
+    collectors = [Collector(n) for _, _, n in jobs]
+    done = [threading.Event() for _ in jobs]
+    engine.pause().result()
+    for (prompt, params, n), collector, event in zip(jobs, collectors, done, strict=True):
+
+        def on_update(update, collector=collector, event=event):
+            collector.add(update)
+            if update.finished:
+                event.set()
+
+        engine.submit(prompt, params, on_update, n=n)
+    engine.resume()
+    assert all(event.wait(120) for event in done), "every request finishes"
+    return collectors
+
+
+def test_a_poisoned_request_fails_alone_and_the_others_complete_unchanged(make_engine):
+    """Poisoned requests among good ones, all in one batch: each poisoned one fails with the step's error; the
+    good ones (sampled, greedy, n > 1, overlapped or not) finish with exactly the tokens of a clean run; the
+    engine stays up however many poisoned requests come."""
+    clean, engine = make_engine(), make_engine()
+    engine.sampler = _PoisonSampler()
+    prompts = _prompts(8, engine.vocab_size, seed=21)
+    good = [
+        (prompts[0], SamplingParams(temperature=1.0, max_tokens=12, seed=1, ignore_eos=True), 1),
+        (prompts[1], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), 1),
+        (prompts[2], SamplingParams(temperature=0.8, top_k=7, max_tokens=10, seed=2, ignore_eos=True), 3),
+        (prompts[3], SamplingParams(temperature=1.0, max_tokens=14, seed=3, ignore_eos=True), 2),
+    ]
+    poisoned = [(p, SamplingParams(temperature=1.0, max_tokens=8, seed=_PoisonSampler.POISON), 1) for p in prompts[4:]]
+    want = _submit_all(clean, good)
+    got = _submit_all(engine, good[:2] + poisoned[:2] + good[2:] + poisoned[2:])
+    for index in (2, 3, 6, 7):
+        assert got[index].error is not None and "poisoned row" in got[index].error
+        assert all(s.finish_reason == "abort" for s in got[index].samples)
+    for have, expected in zip(got[:2] + got[4:6], want, strict=True):
+        assert have.error is None
+        assert [s.token_ids for s in have.samples] == [s.token_ids for s in expected.samples]
+        for a, b in zip(have.samples, expected.samples, strict=True):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    for _ in range(5):  # more poisoned requests than the old three-strikes rule allowed
+        with pytest.raises(RuntimeError, match="poisoned row"):
+            engine.generate([prompts[4]], poisoned[0][1])
+    assert engine.alive
+    assert engine.generate([prompts[0]], good[0][1])[0][0].token_ids == want[0].samples[0].token_ids
+    wait_until(lambda: engine.gauges.kv_blocks_used == 0, message="all blocks free")
+
+
+def test_a_step_that_fails_once_loses_no_request(make_engine):
+    """A failure no request causes (here: one prefill raises) is retried: every request completes as it would."""
+    clean, engine = make_engine(), make_engine()
+    prefill, calls = engine.model.prefill, []
 
     def flaky(*args):
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) == 1:  # the first step: every request's prompt
             raise RuntimeError("boom")
         return prefill(*args)
 
     engine.model.prefill = flaky
-    with pytest.raises(RuntimeError, match="engine step failed: RuntimeError: boom"):
-        engine.generate([[5, 6, 7]], GREEDY)
-    assert len(engine.generate([[5, 6, 7]], GREEDY)[0][0].token_ids) > 0
-    assert engine.alive
-    engine.stop()
+    prompts = _prompts(3, engine.vocab_size, seed=22)
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=4, ignore_eos=True)
+    jobs = [(prompt, params, 2) for prompt in prompts]
+    got, want = _submit_all(engine, jobs), _submit_all(clean, jobs)
+    assert all(c.error is None for c in got)
+    assert [[s.token_ids for s in c.samples] for c in got] == [[s.token_ids for s in c.samples] for c in want]
+    assert len(calls) > 2 and engine.alive
+
+
+def test_an_engine_that_cannot_step_at_all_stops_and_says_why(make_engine):
+    """When the engine fails even with no request (a broken device), the failure is not pinned on a request:
+    the engine stops, every request fails with the reason, and `alive` (so /health) reports it."""
+    engine = make_engine()
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    engine.model.prefill = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate([[5, 6, 7]], GREEDY, timeout=60)
+    wait_until(lambda: not engine.alive, message="the engine to stop")
+    assert "device lost" in engine.error
     with pytest.raises(RuntimeError, match="not running"):
         engine.submit([5], GREEDY, lambda update: None)

@@ -13,6 +13,10 @@ is recorded one step late; a sequence that stopped has its extra token dropped. 
 join, prefill, a cache out of blocks, a sequence at its last token, a cancel, pause or stop, and an idle
 engine land the step in flight first.
 
+A step that fails fails only the request that made it fail: its requests wait again with their outputs and run
+one at a time (the scheduler's probation) until each has sampled a token; a step that fails with one request
+alone fails that request, unless the engine cannot even step without any request (a self-check), which stops it.
+
 Only the engine thread touches the model, the cache and the scheduler. Other threads send commands
 (`submit`, `cancel`, `pause`, `resume`, `swap_weights`, `stop`) through a queue that is drained between
 steps, so a weight swap happens between two steps: in-flight requests pause, the weights change in place,
@@ -41,20 +45,19 @@ from tandem.inference.decode import EagerDecoder, StepFunction, decode_step
 from tandem.inference.fused_decode import fused_decode_step, fused_decode_supported
 from tandem.inference.kv_budget import block_bytes, kv_cache_blocks
 from tandem.inference.masks import encode_mask
-from tandem.inference.outputs import RequestUpdate, SampleRecord, SampleUpdate
+from tandem.inference.outputs import PromptLogprobs, RequestUpdate, SampleRecord, SampleUpdate
 from tandem.inference.protocol import FinishReason, SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
-from tandem.inference.scheduler import BlockAllocator, Request, Scheduler, Sequence
+from tandem.inference.scheduler import SCRATCH_BLOCK, BlockAllocator, Request, Scheduler, Sequence
 from tandem.inference.weights import copy_weights
 from tandem.kernels import triton_available, triton_unavailable_reason
 from tandem.models import CausalLM, KVCache
+from tandem.models.logprobs import score_tokens
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RATE_WINDOW_S = 10.0
-MAX_FAILED_STEPS = 3
-"""Steps in a row that may fail (their requests are aborted) before the engine gives up."""
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,12 @@ class Collector:
 
     def __init__(self, n: int) -> None:
         self.samples = [SampleRecord() for _ in range(n)]
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.finished = False
         self.error: str | None = None
 
     def add(self, update: RequestUpdate) -> list[SampleUpdate]:
+        self.prompt_logprobs = update.prompt_logprobs or self.prompt_logprobs
         for sample in update.samples:
             self.samples[sample.sample].extend(sample)
         self.finished = update.finished
@@ -247,7 +252,7 @@ class Engine:
         at the end; the last update has `finished=True`. `detokenize` adds text (stop strings cut it).
         """
         prompt = list(prompt)
-        max_tokens = self._check(prompt, params, n, detokenize)
+        max_tokens = self.check(prompt, params, n=n, detokenize=detokenize)
         request = Request(
             id=request_id or uuid.uuid4().hex,
             prompt=prompt,
@@ -259,6 +264,8 @@ class Engine:
             detokenize=detokenize,
             on_update=on_update,
         )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs(len(prompt), params.prompt_logprobs)
         self._send(lambda: self._add(request))
         return request.id
 
@@ -288,6 +295,8 @@ class Engine:
         timeout: float | None = None,
     ) -> list[list[SampleRecord]]:
         """Blocking convenience: run prompts to completion, returning `n` samples per prompt."""
+        for prompt in prompts:  # all of them, before anything is made for any
+            self.check(prompt, params, n=n, detokenize=detokenize)
         collectors = [Collector(n) for _ in prompts]
         done = [threading.Event() for _ in prompts]
 
@@ -335,8 +344,12 @@ class Engine:
             paused=self.paused,
         )
 
-    def _check(self, prompt: list[int], params: SamplingParams, n: int, detokenize: bool) -> int:
-        """Validate a request; returns its max_tokens."""
+    def check(self, prompt: list[int], params: SamplingParams, *, n: int = 1, detokenize: bool = False) -> int:
+        """Raise ValueError (naming the problem) for a request this engine cannot serve; returns its max_tokens.
+
+        The limits the request models cannot know (vocabulary, context, KV blocks, max_running, max_logprobs),
+        checked before anything is made for the request, so a bad one costs nothing and never reaches the
+        engine thread. `submit` checks again."""
         if not prompt:
             raise ValueError("the prompt has no tokens")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -363,10 +376,14 @@ class Engine:
             raise ValueError(f"n={n} is more than the server runs at once (max_running={self.config.max_running})")
         if params.top_logprobs > self.config.max_logprobs:
             raise ValueError(f"top_logprobs={params.top_logprobs} is above the server's max_logprobs")
+        if (params.prompt_logprobs or 0) > self.config.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} is above the server's max_logprobs")
         if (params.stop or detokenize) and self.tokenizer is None:
             raise ValueError("stop strings and text output need a tokenizer; this engine has none")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
         return max_tokens
 
     def _call(self, fn: Callable[[], T]) -> Future[T]:
@@ -407,7 +424,6 @@ class Engine:
                 self._abort(request_id, self.error or "the engine stopped")
 
     def _loop(self) -> None:
-        failures = 0
         while not self._stopping:
             self._drain(block=(self.paused or not self._requests) and self.in_flight is None)
             if self._stopping:
@@ -417,16 +433,39 @@ class Engine:
                     self._land()  # the step in flight, if any; then idle until a command comes
                 elif not self._step():
                     self._drain(block=True, timeout=0.01)
-                failures = 0
             except Exception as error:
-                failures += 1
-                self.in_flight = None
-                logger.exception("engine step failed; aborting the requests in flight")
-                for request_id in list(self._requests):
-                    self._abort(request_id, f"engine step failed: {type(error).__name__}: {error}")
-                if failures == MAX_FAILED_STEPS:  # e.g. a broken CUDA context: stop, so /health says so
-                    raise
+                self._contain(error)
             self._publish()
+
+    def _contain(self, error: Exception) -> None:
+        """A step failed. With one request on probation it ran alone, so it is the cause and only it fails, once
+        the engine has stepped without it (`_self_check`, which raises, ending the engine, if it cannot). Else the
+        step's requests go on probation, keeping their outputs (the step in flight is recomputed, with the same
+        seeded draws): no request is failed for another's fault."""
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        self.in_flight = None
+        scheduler = self.scheduler
+        if scheduler.probation:
+            probe = scheduler.probation[0]
+            logger.error("%s; failing request %s, which ran alone", message, probe.id, exc_info=error)
+            self._self_check()
+            if probe.id in self._requests:
+                self._abort(probe.id, message)
+            else:
+                scheduler.abort(probe)
+        else:
+            suspects = scheduler.requeue_running() or list(self._requests.values())
+            logger.error("%s; retrying its %d requests one at a time", message, len(suspects), exc_info=error)
+            scheduler.probation.extend(suspects)
+        for request in [r for r in self._requests.values() if r.done]:
+            self._emit(request)  # finished in the failed step before its update went out
+
+    def _self_check(self) -> None:
+        """Prefill one token into the scratch block and sample it, with no request involved: raises if the engine
+        cannot step at all (a broken device), so that failure is reported as the engine's (/health: 503)."""
+        batch = self.cache.batch([1], [0], [[SCRATCH_BLOCK]])
+        logits = self.model.prefill(torch.zeros(1, dtype=torch.long, device=self.device), self.cache, batch)
+        self.sampler(logits, SamplingBatch.build([SamplingParams(temperature=0)], [0], [0], [0], self.device))
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -447,7 +486,12 @@ class Engine:
 
     def _add(self, request: Request) -> None:
         self._requests[request.id] = request
-        self.scheduler.add(request, self.tokenizer)
+        try:
+            self.scheduler.add(request, self.tokenizer)
+        except Exception as error:  # e.g. a tokenizer that cannot decode the prompt: this request's, only
+            logger.exception("could not queue request %s", request.id)
+            self._abort(request.id, f"could not queue the request: {type(error).__name__}: {error}")
+            return
         self._counts["prompt"] += len(request.prompt)
 
     def _abort(self, request_id: str, error: str | None = None) -> None:
@@ -504,7 +548,8 @@ class Engine:
         if ready:  # a step continuing `previous` samples its rows, one token on
             batch = self._sampling_batch(ready) if previous is None else previous.batch.next_step()
             all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-            if self.config.overlap_steps and not plan.prefill and batch.stays_on_device:
+            overlap = self.config.overlap_steps and not plan.prefill and not self.scheduler.probation
+            if overlap and batch.stays_on_device:
                 self.in_flight = InFlight.launch(ready, *self.sampler.on_device(all_logits, batch), version, batch)
                 now = time.monotonic()
                 for seq in ready:
@@ -518,6 +563,8 @@ class Engine:
                 sampled = self.sampler(all_logits, batch)
                 self._record(ready, sampled.tokens, sampled.logprobs, sampled.kept, sampled.top, version)
         self._counts["steps"] += 1
+        if self.scheduler.probation:
+            self.scheduler.passed(ready)
         return True
 
     def _sampling_batch(self, ready: list[Sequence]) -> SamplingBatch:
@@ -527,6 +574,7 @@ class Engine:
             [seq.sample for seq in ready],
             [len(seq.tokens) - len(seq.request.prompt) for seq in ready],  # tokens generated, in flight too
             self.device,
+            [seq.record.token_ids for seq in ready],  # complete: no step is in flight when a batch is built
         )
 
     def _continues(self, previous: InFlight) -> bool:
@@ -569,7 +617,14 @@ class Engine:
         width = max(len(seq.blocks) for seq in seqs)
         tables = [seq.blocks + [-1] * (width - len(seq.blocks)) for seq in seqs]
         batch = self.cache.batch([take for _, take in chunks], [seq.num_cached for seq in seqs], tables)
-        logits = self.model.prefill(torch.tensor(ids, device=self.device), self.cache, batch)
+        input_ids = torch.tensor(ids, device=self.device)
+        scoring = self._prompt_targets(chunks)
+        if scoring[0]:  # only requests that asked for prompt logprobs pay for the hidden states of every token
+            hidden = self.model.cached_hidden_states(input_ids, self.cache, batch)
+            logits = self.model.compute_logits(hidden[batch.last_index])
+            self._score_prompts(hidden, *scoring)
+        else:
+            logits = self.model.prefill(input_ids, self.cache, batch)
         rows: list[int] = []
         ready: list[Sequence] = []
         for row, (seq, take) in enumerate(chunks):
@@ -584,6 +639,45 @@ class Engine:
             rows += [row] * len(group)
             ready += group
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], ready
+
+    def _prompt_targets(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[int], list[int], list[PromptLogprobs]]:
+        """The packed rows of these prompt chunks that score prompt tokens not scored yet, the token each scores
+        and the scores it goes to. The hidden state at position q predicts token q + 1; the last prompt token's
+        predicts the completion, which the sampler scores."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[PromptLogprobs] = []
+        start = 0
+        for seq, take in chunks:
+            scores = seq.request.prompt_logprobs
+            if scores is not None and not scores.complete:
+                if scores.filled <= seq.num_cached:
+                    raise RuntimeError("prompt logprobs: a chunk starts past the first unscored prompt token")
+                for position in range(scores.filled, min(seq.num_cached + take, scores.length - 1) + 1):
+                    rows.append(start + position - 1 - seq.num_cached)
+                    targets.append(seq.request.prompt[position])
+                    owners.append(scores)
+            start += take
+        return rows, targets, owners
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, rows: list[int], targets: list[int], owners: list[PromptLogprobs]
+    ) -> None:
+        """Score prompt tokens from the prefill's hidden states, with the model's chunked logprob code (temperature
+        1, no truncation: the model's own distribution, as vLLM's prompt logprobs), and append to their owners."""
+        top_n = max(owner.top_n for owner in owners)
+        device = hidden.device
+        scored = score_tokens(
+            hidden[torch.tensor(rows, device=device)],
+            self.model.lm_head_weight,
+            torch.tensor(targets, device=device),
+            top_n,
+        )
+        logprobs, top_logprobs, top_ids = (values.tolist() for values in scored)
+        for row, owner in enumerate(owners):
+            owner.logprobs.append(logprobs[row])
+            n = owner.top_n
+            owner.top.append(list(zip(top_ids[row][:n], top_logprobs[row][:n], strict=True)) if n else None)
 
     def _decode(self, seqs: list[Sequence], device_tokens: torch.Tensor | None) -> torch.Tensor:
         tokens = [seq.tokens[-1] for seq in seqs]  # a place-holder where `device_tokens` has the token
@@ -676,7 +770,12 @@ class Engine:
         first_token_s = None
         if done and request.first_token_at is not None:
             first_token_s = request.first_token_at - request.arrival
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None or request.prompt_logprobs_sent or not prompt_logprobs.complete:
+            prompt_logprobs = None
+        request.prompt_logprobs_sent |= prompt_logprobs is not None
+        update = RequestUpdate(request.id, samples, done, len(request.prompt), error, first_token_s, prompt_logprobs)
         try:
-            request.on_update(RequestUpdate(request.id, samples, done, len(request.prompt), error, first_token_s))
+            request.on_update(update)
         except Exception:
             logger.exception("a request's update callback failed")

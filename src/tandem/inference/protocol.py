@@ -7,12 +7,45 @@ type is a 400 that names the field rather than a silently ignored setting. docs/
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_STOP_STRINGS = 16
+MIN_TEMPERATURE = 0.01
+"""The smallest temperature above 0 (vLLM's floor): below it `logits / T` overflows fp32 to inf and NaN."""
+MAX_TEMPERATURE = 100.0
+"""Beyond it every distribution is uniform to fp32 precision anyway."""
+MAX_INT32 = 2**31 - 1
+MAX_SAMPLES = 4096
+"""Samples (prompts x n) one request may ask for: each gets its record before the first step runs."""
+MAX_PENALTY = 2.0
+"""|frequency_penalty| and |presence_penalty| at most this (OpenAI's range)."""
+MAX_LOGIT_BIAS = 100.0
+"""|logit_bias| values at most this (OpenAI's range)."""
+
+
+def _temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+    return value
+
+
+# Each sampling bound is written once, here, and shared by /generate and the OpenAI bodies.
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE), AfterValidator(_temperature)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=-1, le=MAX_INT32)]
+MinP = Annotated[float, Field(ge=0, le=1)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_INT32)]
+SampleCount = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TopN = Annotated[int, Field(ge=0, le=MAX_INT32)]
+"""How many top logprobs; the engine also checks it against the server's max_logprobs."""
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+LogitBias = dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+"""Any 64-bit pattern, signed or unsigned."""
 
 
 class WireModel(BaseModel):
@@ -22,34 +55,43 @@ class WireModel(BaseModel):
 
 
 class RequestModel(WireModel):
-    """Requests: also strict about types."""
+    """Requests: also strict about types, and no NaN or infinity anywhere (`1e400` parses as infinity)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SamplingParams(RequestModel):
     """How one prompt is sampled. docs/inference.md#sampling says exactly what each knob does."""
 
-    temperature: float = Field(1.0, ge=0)
-    """0 is greedy (argmax; top_k/top_p/min_p are ignored)."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: Temperature = 1.0
+    """0 is greedy (argmax; top_k/top_p/min_p are ignored); else at least MIN_TEMPERATURE."""
+    top_p: TopP = 1.0
     """Keep the smallest prefix of the sorted (top-k) distribution whose probability reaches top_p."""
-    top_k: int = Field(0, ge=-1)
+    top_k: TopK = 0
     """Keep the k most likely tokens; 0 or -1 turns it off."""
-    min_p: float = Field(0.0, ge=0, le=1)
+    min_p: MinP = 0.0
     """Keep tokens at least min_p times as likely as the most likely one."""
-    max_tokens: int | None = Field(None, ge=1)
+    frequency_penalty: Penalty = 0.0
+    """Subtracted from a token's logit once per time this sample has generated it (OpenAI's, vLLM's)."""
+    presence_penalty: Penalty = 0.0
+    """Subtracted from a token's logit if this sample has generated it at all."""
+    logit_bias: LogitBias = Field(default_factory=dict)
+    """Token id -> a bias in [-100, 100] added to its logit before anything else."""
+    max_tokens: MaxTokens | None = None
     """Most tokens to generate; unset: until the context (seq_len) is full."""
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     """Strings that end the completion (text endpoints and /generate alike); the text is cut before them."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     """Token ids that end the completion (in addition to the model's EOS tokens); they are kept in it."""
     ignore_eos: bool = False
     """Keep generating past EOS tokens (benchmarks)."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Per-request seed: the same seed, prompt and parameters give the same tokens, in any batch."""
-    top_logprobs: int = Field(0, ge=0)
+    top_logprobs: TopN = 0
     """Also return the top-N tokens and logprobs at each step (N at most the server's max_logprobs)."""
+    prompt_logprobs: TopN | None = None
+    """Also score the prompt: each prompt token's logprob under the model itself (temperature 1, no truncation,
+    penalties or bias; null for the first token), with its top-N alternatives when N > 0. Null: not scored."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -72,6 +114,11 @@ class SamplingParams(RequestModel):
         """Whether sampling may drop tokens (and so reports a mask per token)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
 
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits depend on what the sample generated so far."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0
+
 
 # --- /generate: token ids in, token ids, logprobs and masks out (the training-rollout path) ---
 
@@ -79,7 +126,7 @@ class SamplingParams(RequestModel):
 class GenerateRequest(RequestModel):
     prompt_token_ids: list[int] | list[list[int]] = Field(min_length=1)
     """One prompt, or several (each sampled n times)."""
-    n: int = Field(1, ge=1)
+    n: SampleCount = 1
     """Samples per prompt; they share the prompt's prefill."""
     sampling: SamplingParams = SamplingParams()
     model: str | None = None
@@ -94,7 +141,14 @@ class GenerateRequest(RequestModel):
     def _no_empty_prompt(self) -> GenerateRequest:
         if any(not prompt for prompt in self.prompts):
             raise ValueError("prompt_token_ids: a prompt has no tokens")
+        check_sample_count(len(self.prompts), self.n)
         return self
+
+
+def check_sample_count(prompts: int, n: int) -> None:
+    """Refuse a request for more than MAX_SAMPLES samples in all (before anything is made for them)."""
+    if prompts * n > MAX_SAMPLES:
+        raise ValueError(f"{prompts} prompts x n={n} is more than the {MAX_SAMPLES} samples a request may ask for")
 
 
 class SampleOutput(WireModel):
@@ -116,6 +170,10 @@ class SampleOutput(WireModel):
 class PromptOutput(WireModel):
     prompt_token_count: int
     samples: list[SampleOutput]
+    prompt_logprobs: list[float | None] | None = None
+    """With sampling.prompt_logprobs: per prompt token, its logprob given the tokens before it (the first null)."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """With sampling.prompt_logprobs = N > 0: per prompt token, the top-N `(id, logprob)` there (the first null)."""
 
 
 class GenerateResponse(WireModel):
@@ -163,20 +221,25 @@ class StreamOptions(RequestModel):
 
 class _OpenAIRequest(RequestModel):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    n: int = Field(1, ge=1)
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    """Token id (a string, in JSON) -> bias in [-100, 100]."""
+    n: SampleCount = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None
+    """Accepted and ignored (an end-user id for the provider's abuse monitoring)."""
 
     def sampling(self, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
         return SamplingParams(
@@ -184,6 +247,9 @@ class _OpenAIRequest(RequestModel):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=self.logit_bias or {},
             max_tokens=max_tokens,
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids,
@@ -195,10 +261,26 @@ class _OpenAIRequest(RequestModel):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] | None = 16
+    """0 (with echo) generates nothing: the prompt is only scored."""
+    logprobs: TopN | None = None
     """Return the sampled token's logprob and the top-N alternatives at each step."""
-    echo: Literal[False] = False
+    echo: bool = False
+    """Each choice's text (and logprobs) starts with the prompt; with logprobs, every prompt token but the
+    first is scored too (prompt logprobs)."""
+
+    @model_validator(mode="after")
+    def _generates_unless_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing, which only makes sense with echo")
+        return self
+
+    @model_validator(mode="after")
+    def _sample_count(self) -> CompletionRequest:
+        prompt = self.prompt
+        several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        check_sample_count(len(prompt) if several else 1, self.n)
+        return self
 
 
 class ContentPart(RequestModel):
@@ -221,11 +303,31 @@ class ChatMessage(BaseModel):
         return data
 
 
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: only plain text is served; a JSON mode is refused rather than ignored, since
+    a client asking for one would otherwise parse free text as JSON."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f'`{value}` output is not supported by this server; only {{"type": "text"}} is')
+        return value
+
+
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0)
+    top_logprobs: TopN = 0
+    response_format: ResponseFormat | None = None
+    store: bool | None = None
+    """Accepted and ignored: nothing is stored."""
+    parallel_tool_calls: bool | None = None
+    """Accepted and ignored: tool calls are whatever the chat template and the model make of `tools` in messages."""
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)."""
@@ -239,8 +341,9 @@ class Usage(WireModel):
 
 class CompletionLogprobs(WireModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    """None only for the first prompt token of an echo (nothing predicts it)."""
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -1,7 +1,10 @@
-"""The sampler: temperature, then top-k, top-p and min-p truncation, then a seeded draw; vectorised over rows.
+"""The sampler: logit bias and penalties, temperature, then top-k, top-p and min-p truncation, then a seeded draw;
+vectorised over rows.
 
-For each row (one sequence's next token) with temperature T > 0, on fp32 logits `l`:
+For each row (one sequence's next token) with temperature T > 0, on fp32 logits `l` (step 0 for every row):
 
+0. `l += logit_bias - frequency_penalty * c - presence_penalty * (c > 0)`, with `c` the number of times this
+   sample has generated each token so far (OpenAI's and vLLM's penalties; the prompt does not count);
 1. `z = l / T`; order tokens by `z`, most likely first (ties in the order the sort returns them);
 2. the kept set is the shortest prefix of that order allowed by all of: top-k (the first k), top-p (the
    tokens whose exclusive cumulative probability, renormalised over the top-k, is below top_p), min-p (the
@@ -10,14 +13,18 @@ For each row (one sequence's next token) with temperature T > 0, on fp32 logits 
    computed by hashing (seed, sample index, step, token id): the same seed gives the same token whatever
    else is in the batch, on any device;
 4. its logprob is `z[token] - logsumexp(z[kept])`: the log-probability under the distribution it was drawn
-   from, exactly what `tandem.models.token_logprobs(..., temperature=T, kept_ids=kept)` recomputes.
+   from, exactly what `tandem.models.token_logprobs(..., temperature=T, kept_ids=kept)` recomputes (when there
+   is no bias or penalty, which the trainer does not know of).
 
-T = 0 is greedy: the argmax of `l` (first index on ties), no truncation, logprob under `softmax(l)` (T = 1).
-Top-N logprobs are taken from the same final distribution (greedy: `softmax(l)`).
+T = 0 is greedy: the argmax of `l` (after step 0; first index on ties), no truncation, logprob under
+`softmax(l)` (T = 1). Top-N logprobs are taken from the same final distribution (greedy: `softmax(l)`). So with a
+bias or a penalty the reported logprobs are those of the adjusted distribution actually sampled from (as vLLM's
+processed logprobs).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -84,18 +91,26 @@ class SamplingBatch:
     plain: list[int]  # the other rows (greedy, or sampled from the whole vocabulary)
     any_sampled_plain: bool
     any_tempered: bool  # some row's temperature is neither 0 nor 1: the logits need dividing
+    any_penalised: bool  # some row's logits depend on the tokens it generated (they change every step)
     top_width: int  # the largest top_logprobs asked for (0: none)
     top_k_width: int  # sort width for the truncated rows: max top_k when all of them set top_k, else 0 (all)
+    adjust: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Additions to the logits, `([2, E] int64 (row, token id), [E] fp32 value)`, summed where they repeat: each
+    row's logit bias and penalties. None when no row has any."""
 
     def next_step(self) -> SamplingBatch:
         """The same rows one token later (each row's `steps` + 1): one device op instead of a rebuild and two
-        host-to-device copies, for a decode step that continues the one before it."""
+        host-to-device copies, for a decode step that continues the one before it. Only for batches that stay on
+        the device, whose logit additions (biases alone) do not change from step to step."""
+        if self.any_penalised:
+            raise ValueError("penalties change with every token: build the next step's batch from the outputs")
         return replace(self, steps=self.steps + 1)
 
     @property
     def stays_on_device(self) -> bool:
-        """Every row samples from the whole vocabulary and none asks for top logprobs: `Sampler.on_device`."""
-        return not self.truncated and not self.top_width
+        """Every row samples from the whole vocabulary, none asks for top logprobs and none is penalised (whose
+        next logits need the tokens on the host): `Sampler.on_device`."""
+        return not self.truncated and not self.top_width and not self.any_penalised
 
     @classmethod
     def build(
@@ -105,7 +120,9 @@ class SamplingBatch:
         samples: Sequence[int],
         steps: Sequence[int],
         device: torch.device,
+        generated: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatch:
+        """`generated`: each row's tokens generated so far (what penalties count); None: no row has any yet."""
         floats, ints, truncated, plain = [], [], [], []
         any_sampled_plain, any_tempered, top_width, widths = False, False, 0, []
         for row, (p, seed, sample, step) in enumerate(zip(params, seeds, samples, steps, strict=True)):
@@ -122,6 +139,8 @@ class SamplingBatch:
         f, i = torch.tensor(floats, dtype=torch.float32), torch.tensor(ints, dtype=torch.int64)
         f, i = (copy_to_device(t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in (f, i))
         return cls(
+            adjust=_logit_additions(params, generated, device),
+            any_penalised=any(p.penalised for p in params),
             temperature=f[:, 0],
             divisor=f[:, 3],
             top_p=f[:, 1],
@@ -137,6 +156,27 @@ class SamplingBatch:
             top_width=top_width,
             top_k_width=max(widths) if widths and min(widths) > 0 else 0,
         )
+
+
+def _logit_additions(
+    params: Sequence[SamplingParams], generated: Sequence[Sequence[int]] | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`SamplingBatch.adjust`: one (row, id, value) per biased token and per distinct token a penalised row
+    generated, so the cost follows what the rows asked for, not the vocabulary."""
+    places: list[tuple[int, int]] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias.items():
+            places.append((row, token))
+            values.append(bias)
+        if p.penalised and generated is not None:
+            for token, count in Counter(generated[row]).items():
+                places.append((row, token))
+                values.append(-(p.frequency_penalty * count + p.presence_penalty))
+    if not places:
+        return None
+    index, value = torch.tensor(places, dtype=torch.int64).T.contiguous(), torch.tensor(values, dtype=torch.float32)
+    return tuple(copy_to_device(t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in (index, value))  # type: ignore[return-value]
 
 
 def _signed64(seed: int) -> int:
@@ -159,8 +199,12 @@ def _take(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 
 def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """fp32 logits over each row's temperature (greedy rows: over 1, skipped when no row needs it)."""
+    """fp32 logits plus the rows' biases and penalties, over each row's temperature (greedy rows: over 1; each
+    skipped when no row needs it). Never in place: the logits may be a CUDA graph's output buffer."""
     z = logits.float()
+    if batch.adjust is not None:
+        index, values = batch.adjust
+        z = z.index_put((index[0], index[1]), values, accumulate=True)
     return z / batch.divisor[:, None] if batch.any_tempered else z
 
 

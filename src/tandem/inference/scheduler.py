@@ -6,6 +6,9 @@ budget, `max_running` and the step's prefill token budget allow. Blocks are allo
 none is free, the newest running sequence is preempted: its blocks are freed and it waits again, to be
 prefilled from its prompt plus everything it generated (its outputs are kept; only the cache is recomputed).
 
+After a failed step its requests go on probation (`requeue_running`): they run one request at a time, alone in
+the batch, until each has sampled a token, so a step that fails again has one request to blame.
+
 A request with n samples is admitted as one sequence. When its prompt is cached it forks into n: the children
 share the prompt's full blocks (reference-counted) and get a copy of the last, partly filled one, so no
 block is ever written by two sequences.
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.inference.detokenize import IncrementalDetokenizer
-from tandem.inference.outputs import RequestUpdate, SampleRecord
+from tandem.inference.outputs import PromptLogprobs, RequestUpdate, SampleRecord
 from tandem.inference.protocol import SamplingParams
 
 SCRATCH_BLOCK = 0
@@ -82,6 +85,10 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     unforked: int = 0
     """Samples still to fork from sample 0 once its prompt is cached."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """When asked for: the prompt's scores, filled by prefill. Positions already scored are never scored again, so
+    a prompt prefilled twice (preempted, or a sample prefilled on its own) still gets each exactly once."""
+    prompt_logprobs_sent: bool = False
 
     @property
     def done(self) -> bool:
@@ -128,6 +135,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.probation: deque[Request] = deque()
+        """Requests of a failed step still to run alone; the first (the probe) is the only one scheduled."""
+        self._probed: set[Sequence] = set()
+        """The probe's sequences that have sampled a token on probation."""
 
     @property
     def num_waiting_requests(self) -> int:
@@ -149,7 +160,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         index = 0
         running, block_size = self.running, self.block_size
-        while index < len(running):
+        while index < len(running):  # on probation only the probe runs (`passed` requeues the others)
             seq = running[index]
             pending = len(seq.tokens) - seq.num_cached
             take = 1 if pending == 1 else min(pending, budget)
@@ -162,8 +173,8 @@ class Scheduler:
                 plan.prefill.append((seq, take))
                 budget -= take
             index += 1
-        while self.waiting and budget > 0 and self._fits(self.waiting[0], budget):
-            seq = self.waiting.popleft()
+        while budget > 0 and (seq := self._next_waiting()) is not None and self._fits(seq, budget):
+            self.waiting.remove(seq)
             take = min(seq.pending, budget)
             seq.blocks = self.allocator.allocate(self._blocks_for(take))
             self.running.append(seq)
@@ -174,6 +185,12 @@ class Scheduler:
             budget -= take
         return plan
 
+    def _next_waiting(self) -> Sequence | None:
+        """The waiting sequence to admit next: the first, or on probation the probe's first."""
+        if not self.probation:
+            return self.waiting[0] if self.waiting else None
+        return next((seq for seq in self.waiting if seq.request is self.probation[0]), None)
+
     def _fits(self, seq: Sequence, budget: int, reserved_blocks: int = 0) -> bool:
         """Whether waiting `seq` can join now (with `budget` prompt tokens to prefill, `reserved_blocks` taken)."""
         slots = 1 + seq.request.unforked if seq.sample == 0 else 1
@@ -183,7 +200,8 @@ class Scheduler:
 
     def admits_next(self, reserved_blocks: int = 0) -> bool:
         """Whether the next step would admit a waiting sequence, `reserved_blocks` free blocks being taken first."""
-        return bool(self.waiting) and self._fits(self.waiting[0], self.max_prefill_tokens, reserved_blocks)
+        seq = self._next_waiting()
+        return seq is not None and self._fits(seq, self.max_prefill_tokens, reserved_blocks)
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -250,3 +268,33 @@ class Scheduler:
             elif seq in self.waiting:
                 self.waiting.remove(seq)
         request.unforked = 0
+        self._leave_probation(request)
+
+    def requeue_running(self) -> list[Request]:
+        """After a failed step: every running sequence waits again, first, keeping what it generated (tokens
+        held for a step in flight are dropped; its cache is recomputed, as after a preemption). Returns their
+        requests, oldest first."""
+        requests = list(dict.fromkeys(seq.request for seq in self.running))
+        for seq in reversed(self.running[:]):  # newest first, so the waiting queue keeps their order
+            del seq.tokens[len(seq.request.prompt) + len(seq.record.token_ids) :]
+            self._drop(seq)
+            self.waiting.appendleft(seq)
+        return requests
+
+    def passed(self, sampled: list[Sequence]) -> None:
+        """A probation step succeeded, sampling `sampled`. Once each of the probe's sequences has sampled (or
+        finished) the probe is cleared; if another follows, the probe's sequences wait again so that the next
+        one runs alone."""
+        probe = self.probation[0]
+        self._probed.update(seq for seq in sampled if seq.request is probe)
+        if probe.unforked or any(s.record.finish_reason is None and s not in self._probed for s in probe.sequences):
+            return
+        self._leave_probation(probe)
+        if self.probation:
+            self.requeue_running()
+
+    def _leave_probation(self, request: Request) -> None:
+        if self.probation and self.probation[0] is request:
+            self._probed.clear()
+        if request in self.probation:
+            self.probation.remove(request)
