@@ -4,7 +4,8 @@ Each child gets its own resolved config file in the run directory (`inference.to
 `inference-<k>.toml` for each of several servers, `trainer.toml`, `orchestrator.toml`), its devices
 through CUDA_VISIBLE_DEVICES (`child_envs`), and a log under `logs/`. If any child fails, the others are stopped and the failing child's log tail is printed;
 Ctrl-C stops everything. `--resume` restarts from the trainer's newest checkpoint: batches and
-policies written after it are removed, so no step is lost or counted twice.
+policies written after it are removed, and the per-step record files (`STEP_FILES`) are cut back to it
+before any child starts, so no step is lost or counted twice and nothing reads a file being rewritten.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config import ConfigError, RunConfig, to_toml
+from tandem.config import RunConfig, to_toml
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig, RlDeployConfig
-from tandem.run import atomic_write_text, log_tail, prepare_run_dir
-from tandem.trainer.ckpt import list_checkpoints
+from tandem.jsonl import keep_steps_up_to
+from tandem.orchestrator.main import PER_STEP_FILES
+from tandem.run import atomic_write_text, claim_run_dir, log_tail, prepare_run_dir
+from tandem.trainer.ckpt import resolve_resume
 from tandem.transport.batches import batch_path
 from tandem.transport.broadcast import announce_path
 from tandem.transport.policies import policy_dir
 from tandem.view import RlProgress
 
 logger = logging.getLogger(__name__)
+
+STEP_FILES = ("metrics.jsonl", *PER_STEP_FILES)  # the trainer's and the orchestrator's per-step JSONL records
 
 
 @dataclass
@@ -107,17 +112,19 @@ def _stop(children: list[Child], timeout_s: float = 30.0) -> None:
 
 
 def _resume_step(config: RlConfig) -> int:
-    """The trainer checkpoint to continue from; drop what was produced after it."""
-    checkpoints = list_checkpoints(config.run_dir / "checkpoints")
-    if not checkpoints:
-        raise ConfigError(f"nothing to resume: no complete trainer checkpoint under {config.run_dir / 'checkpoints'}")
-    step = config.resume.step if config.resume.step is not None else max(checkpoints)
-    if step not in checkpoints:
-        raise ConfigError(f"no trainer checkpoint for step {step}; found {sorted(checkpoints)}")
+    """The trainer checkpoint to continue from (the given step's, else the newest intact one, verified against its
+    manifest); drop what was produced after it."""
+    step, _ = resolve_resume(config.run_dir / "checkpoints", config.resume.step)
     for later in range(step + 1, config.max_steps + 1):
         batch_path(config.run_dir / "batches", later).unlink(missing_ok=True)
         shutil.rmtree(policy_dir(config.run_dir / "policies", later), ignore_errors=True)
     return step
+
+
+def _cut_step_files(run_dir: Path, step: int) -> None:
+    """Drop every record past `step` from the per-step files, before a child (or the live view) opens one."""
+    for name in STEP_FILES:
+        keep_steps_up_to(run_dir / name, step)
 
 
 def _configure(config: RlConfig, resume_step: int) -> RlConfig:
@@ -186,8 +193,10 @@ class ChildFailed(RuntimeError):
 
 def run_rl(config: RlConfig) -> int:
     """The `tandem rl` runner."""
+    claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
     prepare_run_dir(config, "rl")
     resume_step = _resume_step(config) if config.resume.enabled else 0
+    _cut_step_files(config.run_dir, resume_step)
     config = _configure(config, resume_step)
     servers = server_configs(config)
     for stale in (*(s.run_dir / "server.json" for s in servers.values()), announce_path(config.run_dir)):

@@ -6,48 +6,67 @@ import logging
 from typing import Any
 
 from tandem.jsonl import JsonlFollower
+from tandem.orchestrator.main import METRICS_FILE
 from tandem.run import step_progress
 
 logger = logging.getLogger(__name__)
 
 
 class RlProgress:
+    """Follows `metrics.jsonl` (trainer) and the orchestrator's metrics through `JsonlFollower`, so a file a
+    resuming child rewrites is read again from its start: the rollout records kept for joining are dropped and
+    rebuilt, and steps up to the one resumed from (the run's history) are not shown again."""
+
     def __init__(self, config, start_step: int):
         self.config = config
+        self.start_step = start_step
+        self.shown = start_step  # the last step a line was logged for
         self.trainer = JsonlFollower(config.run_dir / "metrics.jsonl")
-        self.orchestrator = JsonlFollower(config.run_dir / "orchestrator_metrics.jsonl")
+        self.orchestrator = JsonlFollower(config.run_dir / METRICS_FILE)
         self.rollouts: dict[int, dict[str, Any]] = {}
         self.progress, self.task = step_progress("rl", config.max_steps, start_step)
 
     def refresh(self) -> None:
-        for record in self.orchestrator.new_records():
+        records = self.orchestrator.new_records()
+        if self.orchestrator.restarted:
+            self.rollouts.clear()
+        for record in records:
             if record.get("kind") == "eval":
-                logger.info(
-                    "eval at step %d: %s", record["step"], {k: v for k, v in record.items() if k.endswith("/reward")}
-                )
-            else:
+                if record.get("step", 0) > self.start_step:
+                    logger.info(
+                        "eval at step %d: %s", record["step"], {k: v for k, v in record.items() if k.endswith("/reward")}
+                    )
+            elif isinstance(record.get("step"), int):
                 self.rollouts[record["step"]] = record
-        for record in self.trainer.new_records():
-            step = record["step"]
-            rollout = self.rollouts.get(step, {})
-            reward = rollout.get("reward", float("nan"))
-            mismatch = record.get("mismatch_kl")
-            status = f"reward {reward:.3f}  loss {record['loss']:+.4f}  mismatch {mismatch if mismatch is None else f'{mismatch:.1e}'}"
-            self.progress.update(self.task, completed=step, status=status)
-            logger.info(
-                "step %d/%d  reward %.3f  loss %+.4f  mismatch_kl %s  off_policy_kl %.2e  masked %.3f/%.3f  entropy %.3f"
-                "  grad_norm %.3f",
-                step,
-                self.config.max_steps,
-                reward,
-                record["loss"],
-                "n/a" if mismatch is None else f"{mismatch:.2e}",
-                record.get("off_policy_kl", 0.0),
-                record.get("masked_low", 0.0),
-                record.get("masked_high", 0.0),
-                record.get("entropy", 0.0),
-                record.get("grad_norm", 0.0),
-            )
+        records = self.trainer.new_records()
+        if self.trainer.restarted:
+            self.shown = self.start_step
+        for record in records:
+            step = record.get("step")
+            if isinstance(step, int) and step > self.shown:
+                self._show(step, record)
+                self.shown = step
+
+    def _show(self, step: int, record: dict[str, Any]) -> None:
+        reward = self.rollouts.get(step, {}).get("reward", float("nan"))
+        loss = record.get("loss", float("nan"))
+        mismatch = record.get("mismatch_kl")
+        status = f"reward {reward:.3f}  loss {loss:+.4f}  mismatch {mismatch if mismatch is None else f'{mismatch:.1e}'}"
+        self.progress.update(self.task, completed=step, status=status)
+        logger.info(
+            "step %d/%d  reward %.3f  loss %+.4f  mismatch_kl %s  off_policy_kl %.2e  masked %.3f/%.3f  entropy %.3f"
+            "  grad_norm %.3f",
+            step,
+            self.config.max_steps,
+            reward,
+            loss,
+            "n/a" if mismatch is None else f"{mismatch:.2e}",
+            record.get("off_policy_kl", 0.0),
+            record.get("masked_low", 0.0),
+            record.get("masked_high", 0.0),
+            record.get("entropy", 0.0),
+            record.get("grad_norm", 0.0),
+        )
 
     def close(self) -> None:
         self.progress.stop()

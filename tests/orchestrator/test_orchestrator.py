@@ -68,7 +68,7 @@ def make_config(tmp_path, model_dir, **overrides):
     return OrchestratorConfig.model_validate(values)
 
 
-def run(config, pool):
+def run(config, pool, with_trainer=True):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
@@ -76,7 +76,8 @@ def run(config, pool):
     orchestrator = Orchestrator(config, tokenizer, pool)
 
     async def both():
-        await asyncio.gather(orchestrator.run(config.resume_step), fake_trainer(config.run_dir, config.max_steps))
+        trainer = [fake_trainer(config.run_dir, config.max_steps)] if with_trainer else []
+        await asyncio.gather(orchestrator.run(config.resume_step), *trainer)
 
     asyncio.run(asyncio.wait_for(both(), 60))
     return [json.loads(line) for line in (config.run_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
@@ -120,6 +121,6 @@ def test_stale_groups_are_dropped(tiny_model_dir, tmp_path):
 def test_resume_restores_the_sampler(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, tiny_model_dir("qwen3"), max_steps=2)
     run(config, FakePool(None))
-    state = json.loads((config.run_dir / "orchestrator_state.json").read_text())["sampler"]
-    assert set(state) == {"1", "2"}
-    assert state["2"]["draws"] > state["1"]["draws"]
+    points = json.loads((config.run_dir / "orchestrator_state.json").read_text())["resume_points"]
+    assert set(points) == {"1", "2"}
+    assert points["2"]["sampler"]["draws"] > points["1"]["sampler"]["draws"]

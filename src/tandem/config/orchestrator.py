@@ -11,6 +11,11 @@ from tandem.config.common import RunConfig
 from tandem.config.eval import ConcurrencyConfig, EvalSourceConfig
 from tandem.envs.config import EnvConfig
 
+MAX_REPLAY_KEPT = 2048
+"""The most token ids a replayed sampling mask may keep (prime-rl's cap): the trainer builds a
+`[tokens, kept]` index tensor per micro-batch, so a larger top_k is refused and a token whose top-p/min-p
+set is larger is taken off the loss (counted as `replay_overflow_tokens`)."""
+
 
 class RolloutSamplingConfig(Section):
     temperature: float = Field(1.0, gt=0)
@@ -18,7 +23,7 @@ class RolloutSamplingConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling; below 1 the server returns the kept set and the trainer replays it."""
     top_k: int = Field(0, ge=0)
-    """Keep the k most likely tokens (0: off)."""
+    """Keep the k most likely tokens (0: off; at most 2048 when the trainer replays the kept sets)."""
     min_p: float = Field(0.0, ge=0, lt=1)
     """Drop tokens below min_p times the top token's probability (0: off)."""
     max_tokens: int = Field(256, gt=0)
@@ -110,6 +115,8 @@ class OrchestratorConfig(RunConfig):
     """How the trainer hands over policies (its `weights.transport`; tandem rl sets both): file: load each `<run>/policies/step-N` into every server; broadcast: have the servers join the trainer's broadcast (announced in `<run>/weight_broadcast.json`) and follow the version they serve."""
     resume_step: int = Field(0, ge=0)
     """Continue after this step's batch (the trainer checkpoint being resumed; `tandem rl --resume` sets it)."""
+    log_samples: int = Field(8, ge=0)
+    """Trained rollouts a step written as text to `<run>/rollouts.jsonl` (prompt, completion, reward, advantage); 0: off."""
 
     @model_validator(mode="after")
     def _batch_of_whole_groups(self) -> OrchestratorConfig:

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from tandem.config.base import Section
 from tandem.config.common import RunConfig
 from tandem.config.inference import InferenceConfig
-from tandem.config.orchestrator import OrchestratorConfig
+from tandem.config.orchestrator import MAX_REPLAY_KEPT, OrchestratorConfig
 from tandem.config.trainer import TrainerConfig
 from tandem.config.training import ResumeConfig
 
@@ -57,6 +57,8 @@ class RlConfig(RunConfig):
     """Processes and devices."""
     resume: ResumeConfig = ResumeConfig()
     """Continue a killed run from the trainer's last checkpoint (`--resume`)."""
+    overwrite: bool = Field(False, exclude=True)
+    """Start over in a run directory that holds an earlier run, deleting it first (never saved with the config)."""
 
     @model_validator(mode="after")
     def _vllm_takes_files(self) -> RlConfig:
@@ -83,4 +85,18 @@ class RlConfig(RunConfig):
                 "sampling masks, so the trainer cannot replay them exactly: drop the truncation, or set "
                 "inference.exact_replay = false (the trainer then renormalises over the whole vocabulary)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _replay_fits(self) -> RlConfig:
+        """Kept sets are replayed unless vLLM runs without exact replay: a top_k above the cap could not be."""
+        if self.inference.engine == "vllm" and not self.inference.exact_replay:
+            return self
+        for index, source in enumerate(self.orchestrator.source):
+            if source.sampling.top_k > MAX_REPLAY_KEPT:
+                raise ValueError(
+                    f"orchestrator.source[{index}].sampling.top_k = {source.sampling.top_k} is above "
+                    f"{MAX_REPLAY_KEPT}, the most kept ids the trainer replays per token: lower it, or use top_p / "
+                    "min_p (a token whose kept set is larger is taken off the loss)"
+                )
         return self

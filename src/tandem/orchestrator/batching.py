@@ -3,6 +3,11 @@
 Position i of a row predicts token i+1, so a sample's completion token j (after p prompt tokens)
 is the target at row position offset + p − 1 + j: that is where its advantage, inference logprob,
 loss weight, temperature, sampling mask and policy version go.
+
+Sampling masks travel compactly (`tandem.transport.batches`): per target position the number of kept ids
+(`kept_counts`, 0: the whole vocabulary), and the kept ids of the whole micro-batch in one flat int32
+tensor (`kept_ids`). A token whose kept set exceeds `MAX_REPLAY_KEPT` cannot be replayed within the cap
+and is taken off the loss (`replay_overflow` counts them).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.config.orchestrator import MAX_REPLAY_KEPT
 from tandem.packing import balance, first_fit_decreasing
 from tandem.transport.batches import MicroBatch
 
@@ -32,7 +38,12 @@ class TrainSample:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
-def _empty_row(seq_len: int, kept_width: int) -> MicroBatch:
+def replay_overflow(samples: list[TrainSample]) -> int:
+    """Completion tokens whose kept set is larger than the replay cap (taken off the loss when packed)."""
+    return sum(len(kept) > MAX_REPLAY_KEPT for s in samples if s.kept_ids for kept in s.kept_ids)
+
+
+def _empty_row(seq_len: int, with_masks: bool) -> MicroBatch:
     row = {
         "input_ids": torch.zeros(seq_len, dtype=torch.long),
         "position_ids": torch.arange(seq_len),
@@ -43,13 +54,26 @@ def _empty_row(seq_len: int, kept_width: int) -> MicroBatch:
         "temperatures": torch.ones(seq_len),
         "versions": torch.zeros(seq_len, dtype=torch.long),
     }
-    if kept_width:
-        row["kept_ids"] = torch.full((seq_len, kept_width), -1, dtype=torch.long)
+    if with_masks:
+        row["kept_counts"] = torch.zeros(seq_len, dtype=torch.int32)
     return row
+
+
+def _fill_masks(row: MicroBatch, sample: TrainSample, start: int, kept_ids: list[int]) -> None:
+    """Count each completion token's kept ids at its target position (from `start`) and append them to
+    `kept_ids`; a token over the cap leaves the loss instead."""
+    for j, kept in enumerate(sample.kept_ids or ()):
+        if len(kept) > MAX_REPLAY_KEPT:
+            row["target_ids"][start + j] = IGNORE_INDEX
+            row["loss_weights"][start + j] = 0.0
+        else:
+            row["kept_counts"][start + j] = len(kept)
+            kept_ids.extend(kept)
 
 
 def _fill(row: MicroBatch, samples: list[TrainSample], seq_len: int) -> None:
     offset = 0
+    kept_ids: list[int] = []
     for sample in samples:
         tokens = torch.tensor([*sample.prompt_ids, *sample.completion_ids], dtype=torch.long)
         n, p, c = len(tokens), len(sample.prompt_ids), len(sample.completion_ids)
@@ -62,12 +86,13 @@ def _fill(row: MicroBatch, samples: list[TrainSample], seq_len: int) -> None:
         row["loss_weights"][targets] = sample.weight
         row["temperatures"][targets] = sample.temperature
         row["versions"][targets] = torch.tensor(sample.versions, dtype=torch.long)
-        if "kept_ids" in row and sample.kept_ids is not None:
-            for j, kept in enumerate(sample.kept_ids):
-                row["kept_ids"][offset + p - 1 + j, : len(kept)] = torch.tensor(kept, dtype=torch.long)
+        if "kept_counts" in row:
+            _fill_masks(row, sample, offset + p - 1, kept_ids)
         offset += n
     # The padding tail is its own "document" (positions restart), carrying no loss.
     row["position_ids"][offset:] = torch.arange(seq_len - offset)
+    if "kept_counts" in row:
+        row["kept_ids"] = torch.tensor(kept_ids, dtype=torch.int32)
 
 
 def pack_batch(
@@ -82,10 +107,10 @@ def pack_batch(
     bins = first_fit_decreasing([len(s) for s in samples], seq_len)
     unit = world_size * micro_batch_rows
     bins += [[] for _ in range(-len(bins) % unit)]
-    kept_width = max((len(k) for s in samples if s.kept_ids for k in s.kept_ids), default=0)
+    with_masks = any(s.kept_ids for s in samples)
     rows = []
     for members in bins:
-        row = _empty_row(seq_len, kept_width)
+        row = _empty_row(seq_len, with_masks)
         _fill(row, [samples[i] for i in members], seq_len)
         rows.append(row)
     per_rank = balance([sum(len(samples[i]) for i in members) for members in bins], world_size)
@@ -94,6 +119,11 @@ def pack_batch(
         micros = []
         for start in range(0, len(indices), micro_batch_rows):
             chunk = [rows[i] for i in indices[start : start + micro_batch_rows]]
-            micros.append({name: torch.stack([r[name] for r in chunk]) for name in chunk[0]})
+            micros.append({name: _join(name, [r[name] for r in chunk]) for name in chunk[0]})
         ranks.append(micros)
     return ranks
+
+
+def _join(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows into a micro-batch: `[rows, seq_len]`, except the flat kept ids, concatenated in row order."""
+    return torch.cat(tensors) if name == "kept_ids" else torch.stack(tensors)

@@ -6,6 +6,9 @@ inference samples batch N+1 while the trainer trains step N. When batch N is ass
 whose oldest token came from a policy older than N - max_off_policy_steps is dropped. Groups that
 error, time out, go stale, or (with filter_zero_advantage) carry no signal are replaced by
 sampling more, so every batch has exactly batch_size rollouts.
+
+Resuming after batch N (the trainer's checkpoint) draws again every group that had not settled when
+batch N was written (`DrawLedger`), so a kill loses no draw and trains none twice.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,29 +28,40 @@ from tandem.config.orchestrator import OrchestratorConfig
 from tandem.envs import Task
 from tandem.eval.client import RequestError
 from tandem.files import atomic_write_text
-from tandem.jsonl import keep_steps_up_to
+from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
-from tandem.orchestrator.batching import TrainSample, pack_batch
+from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflow
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
-from tandem.orchestrator.tasks import Source, TaskSampler, load_sources
+from tandem.orchestrator.tasks import Draw, DrawLedger, Source, TaskSampler, load_sources
 from tandem.run import prepare_run_dir
+from tandem.trainer.ckpt import list_checkpoints
 from tandem.transport.batches import write_batch
 from tandem.transport.broadcast import Rendezvous, announce_path
 from tandem.transport.policies import latest_policy, policy_dir
 
 logger = logging.getLogger(__name__)
 
+METRICS_FILE = "orchestrator_metrics.jsonl"
+ROLLOUTS_FILE = "rollouts.jsonl"
+STATE_FILE = "orchestrator_state.json"
+PER_STEP_FILES = (METRICS_FILE, ROLLOUTS_FILE)  # per-step JSONL records, cut back to the step a run resumes from
+
 
 @dataclass
 class Group:
     """The rollouts of one task, scored."""
 
-    source: Source
+    draw: Draw
     prompt_ids: list[int]
     completions: list[Completion]
+    texts: list[str]  # each completion decoded, as it was scored
     rewards: list[float]
     metrics: list[dict[str, float]]
+
+    @property
+    def source(self) -> Source:
+        return self.draw.source
 
     @property
     def oldest_version(self) -> int:
@@ -63,6 +78,7 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tokenizer: Any, pool: InferencePool):
         self.config, self.tokenizer, self.pool = config, tokenizer, pool
         self.sampler = TaskSampler(load_sources(config.source), config.seed)
+        self.ledger = DrawLedger()
         self.run_dir = config.run_dir
         self.per_batch = config.batch_size // config.group_size
         self.assigned: Counter[int] = Counter()  # groups started or kept for each batch
@@ -76,14 +92,15 @@ class Orchestrator:
         text = self.tokenizer.apply_chat_template(task.messages(), tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def _run_group(self, draw: int) -> Group | None:
-        source, task = self.sampler.next()
+    async def _run_group(self, draw: Draw) -> Group | None:
+        source, task = draw.source, draw.task
         sampling = source.config.sampling
         prompt_ids = self._prompt_ids(task)
         timeout = source.taskset.timeout_s
+        seed = self.config.seed + draw.index
         try:
             completions = await asyncio.wait_for(
-                self.pool.generate(prompt_ids, sampling, self.config.group_size, seed=self.config.seed + draw), timeout
+                self.pool.generate(prompt_ids, sampling, self.config.group_size, seed=seed), timeout
             )
         except TimeoutError:
             self.stats.dropped["timeout"] += 1
@@ -92,13 +109,14 @@ class Orchestrator:
             logger.warning("rollout group failed: %s", error)
             self.stats.dropped["error"] += 1
             return None
-        rewards, metrics = [], []
+        texts, rewards, metrics = [], [], []
         for completion in completions:
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             score = await source.taskset.score(task, text)
+            texts.append(text)
             rewards.append(score.reward)
             metrics.append({**score.metrics, "truncated": float(completion.finish_reason == "length")})
-        return Group(source, prompt_ids, completions, rewards, metrics)
+        return Group(draw, prompt_ids, completions, texts, rewards, metrics)
 
     def _bucket(self, step: int) -> asyncio.Queue[Group | BaseException]:
         return self.buckets.setdefault(step, asyncio.Queue())
@@ -110,19 +128,19 @@ class Orchestrator:
 
     async def _producer(self) -> None:
         """Keep up to `max_concurrent` groups in flight, each meant for one batch within the async bound."""
-        in_flight: dict[asyncio.Task, int] = {}
-        draw = 0
+        in_flight: dict[asyncio.Task, tuple[int, Draw]] = {}
         while True:
             while len(in_flight) < self.config.inference.max_concurrent and (target := self._next_target()):
                 self.assigned[target] += 1
-                in_flight[asyncio.create_task(self._run_group(draw))] = target
-                draw += 1
+                draw = self.sampler.next()
+                self.ledger.opened(draw)
+                in_flight[asyncio.create_task(self._run_group(draw))] = target, draw
             if not in_flight:
                 await asyncio.sleep(0.01)
                 continue
             done, _ = await asyncio.wait(in_flight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                target = in_flight.pop(task)
+                target, draw = in_flight.pop(task)
                 try:
                     group = task.result()
                 except BaseException as error:  # a bug, not a bad rollout: surface it
@@ -130,6 +148,7 @@ class Orchestrator:
                     return
                 if group is None:
                     self.assigned[target] -= 1  # errored or timed out: sample a replacement
+                    self.ledger.settle(draw.index)
                 else:
                     await self._bucket(target).put(group)
 
@@ -164,17 +183,21 @@ class Orchestrator:
                 groups.append(item)
             else:
                 self.assigned[step] -= 1  # make room for a replacement
+                self.ledger.settle(item.draw.index)
         del self.buckets[step]
         return groups
 
     def _samples(self, groups: list[Group]) -> tuple[list[TrainSample], list[dict]]:
+        """The batch's training samples, and a record of each (its group, position in it, reward, advantage)."""
         samples, records, prompt_of = [], [], []
         advantage = self.config.advantage
         for index, group in enumerate(groups):
             lengths = [len(c.token_ids) for c in group.completions]
             advantages = group_advantages(group.rewards, lengths, advantage.baseline, advantage.normalize_std)
             temperature = group.source.config.sampling.temperature
-            for completion, reward, adv in zip(group.completions, group.rewards, advantages, strict=True):
+            for member, (completion, reward, adv) in enumerate(
+                zip(group.completions, group.rewards, advantages, strict=True)
+            ):
                 samples.append(
                     TrainSample(
                         group.prompt_ids,
@@ -190,6 +213,8 @@ class Orchestrator:
                 prompt_of.append(index)
                 records.append(
                     {
+                        "group": group,
+                        "member": member,
                         "source": group.source.name,
                         "reward": reward,
                         "advantage": adv,
@@ -201,7 +226,9 @@ class Orchestrator:
             sample.weight = weight
         return samples, records
 
-    def _metrics(self, step: int, groups: list[Group], records: list[dict]) -> dict[str, Any]:
+    def _metrics(
+        self, step: int, groups: list[Group], records: list[dict], samples: list[TrainSample]
+    ) -> dict[str, Any]:
         rewards = [r["reward"] for r in records]
         by_source: dict[str, list[float]] = {}
         for record in records:
@@ -218,6 +245,7 @@ class Orchestrator:
             **{f"dropped/{reason}": count for reason, count in self.stats.dropped.items()},
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
             "completion_tokens": tokens,
+            "replay_overflow_tokens": replay_overflow(samples),
             "rollout_tokens_per_s": tokens / elapsed if elapsed > 0 else None,
             "batch_time_s": elapsed,
             "inference_idle_s": self.pool.idle_s,
@@ -263,9 +291,28 @@ class Orchestrator:
 
     # -- online evals -----------------------------------------------------------------------------
 
-    def _write_metrics(self, record: dict[str, Any]) -> None:
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
+    def _rollout_record(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
+        """One trained rollout as text, for reading what RL generated (`rollouts.jsonl`)."""
+        group: Group = record["group"]
+        completion = group.completions[record["member"]]
+        return {
+            "step": step,
+            "source": record["source"],
+            "task_id": group.draw.task.id,
+            "prompt": self.tokenizer.decode(group.prompt_ids),
+            "completion": group.texts[record["member"]],
+            "reward": record["reward"],
+            "advantage": record["advantage"],
+            "outcome": "truncated" if completion.finish_reason == "length" else "ok",
+            "version": min(completion.versions, default=None),
+            "metrics": group.metrics[record["member"]],
+        }
+
+    def _log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
+        """`log_samples` of the batch's rollouts, spread evenly over its groups."""
+        count = min(self.config.log_samples, len(records))
+        for k in range(count):
+            self._rollouts.write(self._rollout_record(step, records[k * len(records) // count]))
 
     async def _online_eval(self, step: int) -> None:
         """Evaluate the policy being served, beside the training rollouts; one `kind = "eval"` record."""
@@ -273,7 +320,7 @@ class Orchestrator:
         out_dir = self.run_dir / "evals" / f"step-{step:06d}"
         inference = self.config.inference
         metrics = await run_online_eval(self.config.eval, inference.base_urls[0], inference.admin_token, out_dir)
-        self._write_metrics(
+        self._metrics_file.write(
             {
                 "step": step,
                 "kind": "eval",
@@ -292,73 +339,104 @@ class Orchestrator:
     # -- the loop ---------------------------------------------------------------------------------
 
     def _state_path(self) -> Path:
-        return self.run_dir / "orchestrator_state.json"
+        return self.run_dir / STATE_FILE
 
-    def _save_state(self, step: int, history: dict[str, Any]) -> None:
-        history[str(step)] = self.sampler.state()
-        kept = dict(sorted(history.items(), key=lambda item: int(item[0]))[-64:])
-        history.clear()
-        history.update(kept)
-        atomic_write_text(self._state_path(), json.dumps({"sampler": history}))
+    def _oldest_needed_step(self) -> int:
+        """The oldest step a later resume may start from: the oldest kept trainer checkpoint, or (before one
+        exists) the newest policy, whose checkpoint the trainer may be writing now."""
+        return min(min(list_checkpoints(self.run_dir / "checkpoints"), default=math.inf), self.pool.version)
+
+    def _save_state(self, step: int, points: dict[str, Any]) -> None:
+        """Record where a run resumed after batch `step` starts drawing; forget only what no checkpoint needs."""
+        points[str(step)] = self.ledger.resume_point(self.sampler)
+        oldest = self._oldest_needed_step()
+        for key in [k for k in points if int(k) < oldest]:
+            del points[key]
+        atomic_write_text(self._state_path(), json.dumps({"resume_points": points}))
 
     def _resume(self, step: int) -> dict[str, Any]:
-        """Restore the sampler as it was after batch `step` (the trainer's checkpoint)."""
-        history = json.loads(self._state_path().read_text())["sampler"] if self._state_path().exists() else {}
+        """Restore the sampler as it was when batch `step` (the trainer's checkpoint) was written."""
+        path = self._state_path()
+        points = json.loads(path.read_text()).get("resume_points", {}) if path.exists() else {}
         if step:
-            if str(step) not in history:
-                raise ValueError(f"no orchestrator state for step {step} in {self._state_path()}")
-            self.sampler.load_state(history[str(step)])
-        return {k: v for k, v in history.items() if int(k) <= step}
+            if str(step) not in points:
+                raise ValueError(
+                    f"no orchestrator state for step {step} in {path} (it has steps {sorted(map(int, points))})"
+                )
+            self.sampler.resume(points[str(step)])
+        return {k: v for k, v in points.items() if int(k) <= step}
+
+    def _open_step_files(self, resume_step: int) -> None:
+        """The per-step record files, without records past the step resumed from."""
+        for name in PER_STEP_FILES:
+            keep_steps_up_to(self.run_dir / name, resume_step)
+        self._metrics_file = JsonlWriter(self.run_dir / METRICS_FILE)
+        self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE) if self.config.log_samples else None
+
+    def _close_step_files(self) -> None:
+        self._metrics_file.close()
+        if self._rollouts is not None:
+            self._rollouts.close()
+
+    async def _train_step(self, step: int, points: dict[str, Any]) -> dict[str, Any]:
+        """Assemble, record and write batch `step`; its metrics record."""
+        groups = await self._collect(step)
+        samples, records = self._samples(groups)
+        ranks = pack_batch(samples, self.config.seq_len, self.config.trainer_ranks, self.config.micro_batch_rows)
+        for group in groups:
+            self.ledger.settle(group.draw.index)
+        # The resume point first: a kill between the two leaves a state for a batch never written, never
+        # a batch (and so perhaps a checkpoint) without its state.
+        self._save_state(step, points)
+        meta = {"num_samples": len(samples), "num_tokens": sum(len(s) for s in samples)}
+        write_batch(self.run_dir / "batches", step, ranks, meta)
+        record = self._metrics(step, groups, records, samples)
+        self._metrics_file.write(record)
+        if self._rollouts is not None:
+            self._log_samples(step, records)
+        return record
 
     async def run(self, resume_step: int = 0) -> None:
-        history = self._resume(resume_step)
+        points = self._resume(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        await self.pool.wait_healthy()
-        if self.config.weight_transport == "broadcast":
-            await self.pool.join_broadcast(await self._rendezvous())
-        followers = asyncio.gather(self._follow_policies(), self._producer())
-        metrics_path = self.run_dir / "orchestrator_metrics.jsonl"
-        keep_steps_up_to(metrics_path, resume_step)
+        self._open_step_files(resume_step)
+        self.filling = resume_step + 1
         evals: list[asyncio.Task] = []
+        followers = None
         try:
-            with metrics_path.open("a", encoding="utf-8") as metrics_file:
-                self._metrics_file = metrics_file
-                for step in range(resume_step + 1, self.config.max_steps + 1):
-                    self.filling = step
-                    await self._wait_for_policy(step - 1 - self.config.async_level)
-                    self.stats = StepStats()
-                    groups = await self._collect(step)
-                    samples, records = self._samples(groups)
-                    ranks = pack_batch(
-                        samples, self.config.seq_len, self.config.trainer_ranks, self.config.micro_batch_rows
-                    )
-                    meta = {"num_samples": len(samples), "num_tokens": sum(len(s) for s in samples)}
-                    write_batch(self.run_dir / "batches", step, ranks, meta)
-                    self._save_state(step, history)
-                    record = self._metrics(step, groups, records)
-                    self._write_metrics(record)
-                    if self.config.eval.interval and step % self.config.eval.interval == 0:
-                        evals.append(asyncio.create_task(self._online_eval(step)))
-                    logger.info(
-                        "batch %d/%d  reward %.3f  dropped %s  policy %d  %.1fs",
-                        step,
-                        self.config.max_steps,
-                        record["reward"],
-                        dict(self.stats.dropped) or "-",
-                        self.pool.version,
-                        record["batch_time_s"],
-                    )
-                    if followers.done():
-                        followers.result()
-                for finished in await asyncio.gather(*evals, return_exceptions=True):
-                    if isinstance(finished, BaseException):
-                        raise finished
+            await self.pool.wait_healthy()
+            if self.config.weight_transport == "broadcast":
+                await self.pool.join_broadcast(await self._rendezvous())
+            followers = asyncio.gather(self._follow_policies(), self._producer())
+            for step in range(resume_step + 1, self.config.max_steps + 1):
+                self.filling = step
+                await self._wait_for_policy(step - 1 - self.config.async_level)
+                self.stats = StepStats()
+                record = await self._train_step(step, points)
+                if self.config.eval.interval and step % self.config.eval.interval == 0:
+                    evals.append(asyncio.create_task(self._online_eval(step)))
+                logger.info(
+                    "batch %d/%d  reward %.3f  dropped %s  policy %d  %.1fs",
+                    step,
+                    self.config.max_steps,
+                    record["reward"],
+                    dict(self.stats.dropped) or "-",
+                    self.pool.version,
+                    record["batch_time_s"],
+                )
+                if followers.done():
+                    followers.result()
+            for finished in await asyncio.gather(*evals, return_exceptions=True):
+                if isinstance(finished, BaseException):
+                    raise finished
         finally:
             for task in evals:
                 task.cancel()
-            followers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await followers
+            if followers is not None:
+                followers.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await followers
+            self._close_step_files()
             await self.pool.close()
 
 

@@ -1,7 +1,10 @@
 """Which task each new rollout group trains on: sources mixed by weight, each in its `select` order.
 
 The draw is a pure function of (seed, draw count) and each source's cursor, so the sampler's
-state is a few integers that the orchestrator checkpoints with every batch.
+state is a few integers that the orchestrator checkpoints with every batch. Draws settle out of
+order (groups finish when they finish, and a group may wait for a later batch), so a checkpoint is
+a `DrawLedger` resume point: the sampler state at the first unsettled draw plus the settled draws
+after it, which a resumed sampler skips.
 """
 
 from __future__ import annotations
@@ -9,7 +12,8 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.config.orchestrator import TrainSourceConfig
 from tandem.envs import Task, Taskset, apply_select
@@ -50,16 +54,32 @@ def load_sources(configs: list[TrainSourceConfig]) -> list[Source]:
     return sources
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One draw of the sampler: its index (which seeds the rollouts), the task, and the sampler state before it."""
+
+    index: int
+    source: Source
+    task: Task
+    state_before: dict[str, Any]
+
+
 class TaskSampler:
     def __init__(self, sources: list[Source], seed: int):
         self.sources, self.seed, self.draws = sources, seed, 0
         self.weights = [source.config.weight for source in sources]
+        self.skip: set[int] = set()  # draws a resumed run already settled
 
-    def next(self) -> tuple[Source, Task]:
-        rng = random.Random(self.seed * 1_000_003 + self.draws)
-        self.draws += 1
-        source = rng.choices(self.sources, weights=self.weights)[0] if len(self.sources) > 1 else self.sources[0]
-        return source, source.next_task()
+    def next(self) -> Draw:
+        """The next draw that is not already settled."""
+        while True:
+            state, index = self.state(), self.draws
+            rng = random.Random(self.seed * 1_000_003 + index)
+            self.draws += 1
+            source = rng.choices(self.sources, weights=self.weights)[0] if len(self.sources) > 1 else self.sources[0]
+            task = source.next_task()
+            if index not in self.skip:
+                return Draw(index, source, task, state)
 
     def state(self) -> dict:
         return {"draws": self.draws, "cursors": [source.cursor for source in self.sources]}
@@ -68,3 +88,36 @@ class TaskSampler:
         self.draws = state["draws"]
         for source, cursor in zip(self.sources, state["cursors"], strict=True):
             source.cursor, source.stream = cursor, None
+
+    def resume(self, point: dict[str, Any]) -> None:
+        """Continue from a `DrawLedger.resume_point`: every unsettled draw is drawn again, settled ones never."""
+        self.load_state(point["sampler"])
+        self.skip = set(point["skip"])
+
+
+@dataclass
+class DrawLedger:
+    """Which draws are still open: in flight, or scored and waiting for a batch that is not written yet.
+
+    A draw settles when the batch it trains in is written or when it is dropped (error, timeout, stale, no
+    signal). A run killed and resumed draws every open draw again, and no settled one: `open` keeps each
+    open draw's sampler state from before it, so the resume point is the state at the first open draw.
+    """
+
+    open: dict[int, dict] = field(default_factory=dict)
+    settled: set[int] = field(default_factory=set)  # settled draws after the first open one
+
+    def opened(self, draw: Draw) -> None:
+        self.open[draw.index] = draw.state_before
+
+    def settle(self, draw: int) -> None:
+        del self.open[draw]
+        self.settled.add(draw)
+        first = min(self.open, default=None)
+        self.settled = {d for d in self.settled if first is not None and d > first}
+
+    def resume_point(self, sampler: TaskSampler) -> dict[str, Any]:
+        """Where a run resumed after this moment starts drawing, and which later draws it skips."""
+        state = self.open[min(self.open)] if self.open else sampler.state()
+        skip = sorted(d for d in self.settled | sampler.skip if d >= state["draws"])
+        return {"sampler": state, "skip": skip}

@@ -20,11 +20,11 @@ from tandem.trainer import ckpt
 from tandem.trainer.gc_schedule import scheduled_gc
 from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.model import build_training_model
-from tandem.trainer.monitor import Monitor
+from tandem.trainer.monitor import Monitor, stop_if_diverged
 from tandem.trainer.parallel import clip_grad_norm_, init_distributed, shutdown_distributed
 from tandem.trainer.publish import make_publisher
 from tandem.trainer.schedule import build_optimizer
-from tandem.transport.batches import read_batch, wait_for_batch
+from tandem.transport.batches import kept_ids_matrix, read_batch, wait_for_batch
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,11 @@ def micro_batch_loss(
     trainer/inference mismatch (`mismatch_kl`); over all tokens the same estimator also includes the
     policy lag of asynchronous sampling (`off_policy_kl`).
     """
-    micro = {name: tensor.to(device) for name, tensor in micro.items()}
+    kept = None
+    if "kept_counts" in micro and micro["kept_ids"].numel():  # sampling masks, stored compactly (transport.batches)
+        kept = kept_ids_matrix(micro["kept_counts"], micro["kept_ids"], model.args.vocab_size, device)
+    micro = {name: tensor.to(device) for name, tensor in micro.items() if not name.startswith("kept_")}
     loss_tokens = micro["target_ids"] != -100
-    kept = micro.get("kept_ids")
     out = model(
         micro["input_ids"],
         micro["position_ids"],
@@ -105,6 +107,7 @@ def train(config: TrainerConfig) -> int:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                stop_if_diverged(step, world, loss=sums["loss"], grad_norm=grad_norm)
                 publisher.publish(step)
                 monitor.end_step(
                     step,

@@ -4,6 +4,11 @@
 keyed `rank<r>.micro<m>.<field>`, plus JSON metadata (step, world size, micro-batches per rank,
 anything else the orchestrator reports). Safetensors is self-describing and never unpickles; the
 file is written under a temporary name and renamed, so a reader never sees half a batch.
+
+Sampling masks are stored compressed, as CSR: `kept_counts` `[rows, seq_len]` int32 (the number of ids
+sampling kept at each position; 0: the whole vocabulary) and `kept_ids` `[sum of counts]` int32 (those ids,
+position after position in row-major order). `kept_ids_matrix` rebuilds the `-1`-padded `[rows, seq_len, K]`
+index the model's logprobs take, K being the largest count of that micro-batch only.
 """
 
 from __future__ import annotations
@@ -63,6 +68,26 @@ def read_batch(root: Path, step: int, rank: int, world_size: int) -> tuple[list[
                 _, micro, name = key.split(".", 2)
                 micros[int(micro.removeprefix("micro"))][name] = handle.get_tensor(key)
     return micros, header
+
+
+def kept_ids_matrix(
+    counts: torch.Tensor, flat: torch.Tensor, vocab_size: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The `[rows, seq_len, K]` int64 kept ids on `device` (padded with -1; a position of all -1 keeps the whole
+    vocabulary) of a micro-batch's CSR masks, as read (on the host). Raises ValueError on masks that do not add
+    up. Built on `device` by a gather whose width is known on the host, so a GPU step does not wait for it."""
+    counts = counts.long()
+    if (counts < 0).any() or int(counts.sum()) != flat.numel():
+        raise ValueError(f"sampling masks do not add up: {int(counts.sum())} counted, {flat.numel()} kept ids stored")
+    if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < vocab_size):
+        raise ValueError(f"sampling masks name token ids outside the vocabulary of {vocab_size}")
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    counts, flat = counts.to(device), flat.to(device, torch.long)
+    slots = torch.arange(width, device=counts.device)
+    starts = (counts.flatten().cumsum(0) - counts.flatten()).view(counts.shape)
+    index = (starts.unsqueeze(-1) + slots).clamp_(max=max(flat.numel() - 1, 0))
+    ids = flat[index] if flat.numel() else torch.zeros_like(index)
+    return ids.masked_fill_(slots >= counts.unsqueeze(-1), -1)
 
 
 def wait_for_batch(root: Path, step: int, timeout_s: float, poll_s: float = 0.05) -> Path:
