@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from tandem import __version__
-from tandem.config import ConfigError, load_config, to_toml
+from tandem.config import load_config, to_toml
 from tandem.config.help import render_help
+from tandem.run import exit_code
 
 
 @dataclass(frozen=True)
@@ -135,14 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stderr.write(f"tandem: unknown command {name!r}{suggest(name, COMMANDS)}; see `tandem --help`\n")
         return 2
-    try:
-        return run_command(command, rest)
-    except ConfigError as error:
-        sys.stderr.write(f"tandem {name}: error: {error}\n")
-        return error.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write(f"tandem {name}: interrupted\n")
-        return 130
+    return exit_code(name, lambda: run_command(command, rest))
 
 
 if __name__ == "__main__":

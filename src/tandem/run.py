@@ -1,18 +1,75 @@
-"""The run directory and logging every command sets up before it works."""
+"""The run directory and logging every command sets up before it works, and how a command's errors end."""
 
 from __future__ import annotations
 
 import logging
+import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from tandem.config import RunConfig, to_toml
+from tandem.config import ConfigError, RunConfig, to_toml
 from tandem.files import atomic_write_text
 
 logger = logging.getLogger("tandem")
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on, for a reason its message says in full (a loss that is no longer finite):
+    the command prints the message, not a traceback, and exits with code 1."""
+
+    exit_code = 1
+
+
+def exit_code(name: str, body: Callable[[], int | None]) -> int:
+    """Run a command's body and return its exit code. A mistake in what the user gave (`ConfigError`, 2) or a
+    run that cannot go on (`RunError`, 1) ends in its message on stderr, never a traceback."""
+    try:
+        return int(body() or 0)
+    except (ConfigError, RunError) as error:
+        sys.stderr.write(f"tandem {name}: error: {error}\n")
+        return error.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"tandem {name}: interrupted\n")
+        return 130
+
+
+def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Make sure a new run never writes into an earlier run's files (it would truncate their metrics and mix
+    its policies and checkpoints with theirs).
+
+    A resumed run continues the earlier one in place. Otherwise a directory that holds anything besides
+    resolved configs (`*.toml`) and `logs/` (all a run leaves that failed before its first output) is
+    refused, unless `overwrite`, which first deletes everything in it. Only the command that starts a run
+    claims its directory: the processes it starts into that directory do not.
+    """
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in its directory and --overwrite deletes it: give one")
+    if resume or not run_dir.is_dir():
+        return
+    outputs = sorted(entry.name for entry in run_dir.iterdir() if not _config_or_log(entry))
+    if not outputs:
+        return
+    if not overwrite:
+        shown = ", ".join(outputs[:4]) + (", ..." if len(outputs) > 4 else "")
+        raise ConfigError(
+            f"{run_dir} holds an earlier run ({shown}): continue it with --resume, replace it with --overwrite "
+            "(deletes it), or pick another --run-name"
+        )
+    for entry in run_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    logger.warning("--overwrite: deleted the earlier run in %s (%s)", run_dir, ", ".join(outputs))
+
+
+def _config_or_log(entry: Path) -> bool:
+    return (entry.name == "logs" and entry.is_dir()) or (entry.suffix == ".toml" and entry.is_file())
 
 
 def log_tail(path: Path, lines: int = 30) -> str:

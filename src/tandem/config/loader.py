@@ -158,7 +158,8 @@ def _toml_literal(flag: str, text: str) -> Any:
     try:
         return parse_toml_value(text)
     except ValueError as error:
-        raise ConfigError(f"flag {flag}: cannot parse {text!r} as a TOML value: {error}") from None
+        shown = text if len(text) <= 80 else f"{text[:60]}...({len(text)} characters)"
+        raise ConfigError(f"flag {flag}: cannot parse {shown!r} as a TOML value: {error}") from None
 
 
 def add_flag(layers: Layers, model: type[BaseModel], flag: str, values: list[str]) -> None:

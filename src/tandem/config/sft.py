@@ -67,3 +67,5 @@ class SftConfig(TrainingRunConfig):
     """Processes to launch."""
     speed: SftSpeedConfig = SftSpeedConfig()
     """Throughput switches (examples/advanced/*/sft-max-perf.toml turns them on)."""
+    overwrite: bool = Field(False, exclude=True)
+    """Start over in a run directory that holds an earlier run, deleting it first (never saved with the config)."""

@@ -17,22 +17,63 @@ _HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
 _ASSIGN = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
 
 
+MAX_DEPTH = 32
+"""Deepest nesting of tables and arrays a config may have. No config model comes near it; the parser, the
+merge and validation recurse once per level, so a deeper file would end in a RecursionError."""
+
+
 def read_toml(path: str | Path) -> tuple[dict[str, Any], dict[KeyPath, int]]:
     """Parse a TOML file; return its table and the line number of every key it assigns."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
+        data = _parse(text)
+    except ValueError as error:
         raise ConfigError(f"malformed TOML in {path}: {error}") from None
     return data, key_lines(text)
 
 
+def _read_text(path: Path) -> str:
+    """The file's text, or a ConfigError saying why it cannot be read as a config file."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a TOML file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {path} is not UTF-8 text (invalid byte at offset {error.start})") from None
+
+
+def _parse(text: str) -> dict[str, Any]:
+    """tomllib's table for `text`, refusing nesting deeper than MAX_DEPTH (raises ValueError)."""
+    too_deep = ValueError(f"tables and arrays nest deeper than {MAX_DEPTH} levels")
+    try:
+        data = tomllib.loads(text)
+    except RecursionError:
+        raise too_deep from None
+    if _depth(data) > MAX_DEPTH:
+        raise too_deep
+    return data
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed tables and arrays, walked without recursion (dotted keys and `[a.b.c]` headers
+    nest without the parser recursing, so a parsed table can be deeper than the parser could go)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def parse_toml_value(text: str) -> Any:
-    """Parse one TOML value written on the command line (`[1, 2]`, `{a = 1}`, `"x"`)."""
-    return tomllib.loads(f"v = {text}")["v"]
+    """Parse one TOML value written on the command line (`[1, 2]`, `{a = 1}`, `"x"`); raises ValueError."""
+    return _parse(f"v = {text}")["v"]
 
 
 def _split_key(key: str) -> list[str]:

@@ -62,18 +62,29 @@ class BadRowReport:
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line number, parsed row) for every non-blank line; bad JSON yields a BadRow value."""
+    """(1-based line number, parsed row) for every non-blank line; a line that is not UTF-8 or not JSON yields
+    a BadRow value, so it is skipped or fails the run like any other bad row."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
-    with path.open(encoding="utf-8") as handle:
+    try:
+        handle = path.open("rb")
+    except OSError as error:
+        raise DatasetError(f"cannot read dataset file {path}: {error.strerror}") from None
+    with handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as error:
-                yield number, BadRow("invalid JSON", error.msg)
+            yield number, _parse_row(line)
+
+
+def _parse_row(line: bytes) -> Any:
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        return BadRow("not UTF-8 text", f"invalid byte at column {error.start + 1}")
+    except json.JSONDecodeError as error:
+        return BadRow("invalid JSON", error.msg)
 
 
 def _chat_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
@@ -114,6 +125,8 @@ def tokenize_row(row: Any, tokenizer: Any) -> Sample:
     if not isinstance(row, dict):
         raise BadRow("row is not a JSON object")
     if "messages" in row:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DatasetError("the data has chat `messages` rows, but the model's tokenizer has no chat template")
         full, spans = _chat_spans(tokenizer, _validate_messages(row["messages"]))
         encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(encoded["input_ids"])

@@ -14,7 +14,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
 from tandem.kernels import triton_unavailable_reason
-from tandem.models import ModelArgs, build_model, load_model, save_model
+from tandem.models import ModelArgs, build_model, load_model, model_args, save_model
+from tandem.models.checkpoint import INDEX_FILE
 from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
 from tandem.trainer.expert_parallel import apply_expert_parallel
@@ -86,6 +87,31 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
     model.forward = autocast
 
 
+def read_model_args(config) -> ModelArgs:
+    """The architecture in `model.name`'s config.json, after checking what loading the model will read: the
+    directory, a config.json tandem runs and, unless `random_init`, its weights. A mistake is a ConfigError
+    naming the path, raised before anything is built or allocated."""
+    if not config.model.name:
+        raise ConfigError(
+            "set model.name to a Hugging Face model directory (config.json, and weights unless random_init)"
+        )
+    source = Path(config.model.name)
+    if not source.exists():
+        raise ConfigError(f"model.name {source}: no such directory")
+    if not (source.is_dir() or config.random_init):
+        raise ConfigError(f"model.name {source} is not a directory (a config.json alone needs random_init = true)")
+    try:
+        args = model_args(source)
+    except (ValueError, OSError) as error:  # the models' ConfigError, unreadable or malformed JSON
+        raise ConfigError(f"model.name {source}: {error}") from None
+    if not config.random_init and not (any(source.glob("*.safetensors")) or (source / INDEX_FILE).is_file()):
+        raise ConfigError(
+            f"model.name {source} holds no weights (*.safetensors): point it at a checkpoint, "
+            "or set random_init = true to start from random weights"
+        )
+    return args
+
+
 def build_training_model(
     config, world: World, *, shard: bool = True, **runtime_extra
 ) -> tuple[torch.nn.Module, ModelInfo]:
@@ -94,10 +120,7 @@ def build_training_model(
     `shard=False` (one process only) skips FSDP2 and runs the forward under autocast instead.
     `runtime_extra`: more model runtime options (`tandem.models.RUNTIME_OPTIONS`) from the command's config.
     """
-    if not config.model.name:
-        raise ConfigError(
-            "set model.name to a Hugging Face model directory (config.json, and weights unless random_init)"
-        )
+    read_model_args(config)
     source = Path(config.model.name)
     runtime = runtime_options(config.model, freeze_router_default=config.command == "trainer") | runtime_extra
     if config.random_init:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import ConfigError
-from tandem.run import step_progress
+from tandem.run import RunError, step_progress
 from tandem.trainer.metrics import MetricsWriter, StepTimer, device_peak_flops, peak_memory_gib, peak_reserved_gib
 from tandem.trainer.parallel import World
 
@@ -19,6 +20,24 @@ logger = logging.getLogger(__name__)
 
 def _full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def stop_if_diverged(step: int, world: World, **values: torch.Tensor) -> None:
+    """Stop the run at a step whose loss or gradient norm is NaN or infinite, before that step's weights are
+    checkpointed, exported or published: training on would only spread the NaN into every later step and
+    into what inference serves. `values` may be one rank's partial sums: they are added over ranks in one
+    all-reduce (a non-finite value on any rank stays non-finite), so every rank stops at the same step."""
+    stacked = torch.stack([_full(value).detach().float().to(world.device).reshape(()) for value in values.values()])
+    if dist.is_initialized() and world.world_size > 1:
+        dist.all_reduce(stacked)
+    bad = [
+        f"{name} is {value}" for name, value in zip(values, stacked.tolist(), strict=True) if not math.isfinite(value)
+    ]
+    if bad:
+        raise RunError(
+            f"step {step}: {' and '.join(bad)}, so training diverged; stopped before saving this step's weights "
+            "(a lower optim.lr or a warm-up, scheduler.warmup_steps, may keep it finite)"
+        )
 
 
 class Monitor:

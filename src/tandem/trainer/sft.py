@@ -12,20 +12,23 @@ import os
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.sft import SftConfig, SftSpeedConfig
-from tandem.run import atomic_write_text, prepare_run_dir, setup_logging
+from tandem.models import ModelArgs
+from tandem.run import atomic_write_text, claim_run_dir, exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_documents, stack
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
 from tandem.trainer.gc_schedule import scheduled_gc
-from tandem.trainer.model import build_training_model, export_hf, kernel_options
-from tandem.trainer.monitor import Monitor
+from tandem.trainer.model import build_training_model, export_hf, kernel_options, read_model_args
+from tandem.trainer.monitor import Monitor, stop_if_diverged
 from tandem.trainer.parallel import World, clip_grad_norm_, init_distributed, shutdown_distributed
 from tandem.trainer.schedule import build_optimizer
 
@@ -35,10 +38,58 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A tokenizer's vocabulary is in one of these. Without any, transformers builds an empty tokenizer from
+config.json's model type, and every row would tokenise to unknown tokens."""
+
+
 def _load_tokenizer(config: SftConfig):
+    """The model directory's tokenizer; a missing or unreadable one is a ConfigError naming the directory."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.model.name)
+    source = Path(config.model.name)
+    if not any((source / name).is_file() for name in VOCABULARY_FILES):
+        raise ConfigError(f"model.name {source} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(config.model.name)
+    except (OSError, ValueError) as error:  # no tokenizer files, or ones transformers cannot read
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"cannot load a tokenizer from model.name {config.model.name}: {first_line}") from None
+
+
+def _data_file(config: SftConfig) -> Path | None:
+    """The local JSONL file `data.path` names, checked to be a readable file; None for a Hugging Face dataset
+    name (anything that is neither an existing path nor a `.jsonl` one)."""
+    path = Path(config.data.path)
+    if not (path.suffix == ".jsonl" or path.exists()):
+        return None
+    if not path.exists():
+        raise ConfigError(f"data.path {path}: no such file")
+    if not path.is_file():
+        raise ConfigError(f"data.path {path} is not a file (a JSONL file of prompt/completion or messages rows)")
+    return path
+
+
+@dataclass
+class SftInputs:
+    """What a run reads, checked before anything is built: the model's architecture, the tokenizer and the
+    local data file (None for fake data; `data` is None for a Hugging Face dataset too)."""
+
+    args: ModelArgs
+    tokenizer: Any | None
+    data: Path | None
+
+
+def check_inputs(config: SftConfig) -> SftInputs:
+    """Every path the run reads (model directory, config.json, weights, tokenizer, data file) checked, and the
+    small ones read, before the run directory or the model is touched: a mistake is one ConfigError."""
+    args = read_model_args(config)
+    if config.data.fake:
+        return SftInputs(args, None, None)
+    if not config.data.path:
+        raise ConfigError("no training data: set data.path (a JSONL file or dataset name) or data.fake = true")
+    data = _data_file(config)
+    return SftInputs(args, _load_tokenizer(config), data)
 
 
 def _hf_rows(config: SftConfig):
@@ -53,15 +104,12 @@ def _hf_rows(config: SftConfig):
     return ((index + 1, row) for index, row in enumerate(dataset))
 
 
-def build_steps(config: SftConfig, vocab_size: int):
+def build_steps(config: SftConfig, inputs: SftInputs):
     """The per-step row source: fake random rows, or the tokenised, packed dataset."""
     if config.data.fake:
-        return FakeSteps(vocab_size, config.seq_len, config.batch_size, config.seed)
-    if not config.data.path:
-        raise ConfigError("no training data: set data.path (a JSONL file or dataset name) or data.fake = true")
-    tokenizer = _load_tokenizer(config)
-    path = Path(config.data.path)
-    rows = read_jsonl(path) if path.suffix == ".jsonl" or path.exists() else _hf_rows(config)
+        return FakeSteps(inputs.args.vocab_size, config.seq_len, config.batch_size, config.seed)
+    tokenizer = inputs.tokenizer
+    rows = read_jsonl(inputs.data) if inputs.data is not None else _hf_rows(config)
     samples, report = load_samples(rows, tokenizer, config.seq_len, config.data.on_bad_row)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     packed = (pack if config.data.pack else pad_each)(samples, config.seq_len, pad_id)
@@ -118,18 +166,20 @@ def _model_runtime(speed: SftSpeedConfig, device: torch.device) -> dict:
 
 
 def train(config: SftConfig) -> int:
+    inputs = check_inputs(config)
     world = init_distributed()
+    micro_steps = _check_split(config, world)
     if world.is_main:
+        claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
         prepare_run_dir(config)
     else:
         setup_logging("warning")
     torch.manual_seed(config.seed)
-    micro_steps = _check_split(config, world)
+    steps = build_steps(config, inputs)  # before the model: a bad dataset fails without building it
     speed = config.speed
     model, info = build_training_model(
         config, world, shard=speed.fsdp_single_process, **_model_runtime(speed, world.device)
     )
-    steps = build_steps(config, info.vocab_size)
     optimizer, scheduler = build_optimizer(model, config, fused=speed.fused_optimizer)
     ckpt_root = config.run_dir / "checkpoints"
     start_step = ckpt.resume_step(config, model, optimizer, scheduler)
@@ -158,6 +208,7 @@ def train(config: SftConfig) -> int:
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
+                stop_if_diverged(step + 1, world, loss=loss_sum, grad_norm=grad_norm)
                 monitor.end_step(
                     step + 1,
                     sums={"loss": loss_sum / global_loss_tokens},
@@ -201,7 +252,9 @@ def launch(config: SftConfig) -> int:
     """`tandem sft` entry: train in this process, or launch torchrun with `deploy.nproc` processes."""
     if config.deploy.nproc == 1 or "LOCAL_RANK" in os.environ:
         return train(config)
-    resolved = config.run_dir / "sft.toml"
+    check_inputs(config)  # one message from here, not one from every rank
+    claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
+    resolved = config.run_dir / "sft.toml"  # `overwrite` is not saved: the ranks find only this file and logs
     atomic_write_text(resolved, to_toml(config))
     command = [
         sys.executable,
@@ -220,8 +273,8 @@ def launch(config: SftConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tandem.trainer.sft @ config.toml [--flags]`, the torchrun entry point."""
-    config, _ = load_config(SftConfig, sys.argv[1:] if argv is None else argv)
-    return train(config)
+    argv = sys.argv[1:] if argv is None else argv
+    return exit_code("sft", lambda: train(load_config(SftConfig, argv)[0]))
 
 
 if __name__ == "__main__":
