@@ -4,7 +4,7 @@ It answers `/v1/chat/completions` with `answer(messages)` (cut to `max_tokens`
 words, finish_reason "length"), and can be told to sleep (`delay`), to fail the
 next requests with a status (`fail_next`), to fail every request
 (`status_always`), to answer `/v1/models` with an error status (`models_status`), and to report a queue
-depth header.
+depth header (`queue_depth`: a number, or a callable giving each response's).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class FakeServer:
         self.answer = answer
         self.delay: Callable[[Messages], float] = lambda messages: 0.0
         self.status_always: int | None = None
-        self.queue_depth: int | None = None
+        self.queue_depth: int | Callable[[], int] | None = None
         self.models_status: int | None = None
         self.requests: list[dict[str, Any]] = []
         self._failures: list[int] = []
@@ -92,7 +92,8 @@ class FakeServer:
         words = self.answer(messages).split(" ")
         cut = len(words) > body.get("max_tokens", len(words))
         text = " ".join(words[: body["max_tokens"]] if cut else words)
-        headers = {} if self.queue_depth is None else {QUEUE_DEPTH_HEADER: str(self.queue_depth)}
+        depth = self.queue_depth() if callable(self.queue_depth) else self.queue_depth
+        headers = {} if depth is None else {QUEUE_DEPTH_HEADER: str(depth)}
         return JSONResponse(
             {
                 "id": f"chatcmpl-{len(self.requests)}",

@@ -31,26 +31,57 @@ def succeed(control: AimdController, clock: Clock, count: int, latency: float = 
         control.record(Feedback(started_at=sent, latency_s=latency, queue_depth=queue))
 
 
-def test_grows_by_one_per_window_while_latency_holds_up_to_max():
-    control, clock = controller(initial=2, min=1, max=4)
+def test_doubles_per_window_up_to_max_then_adds_increase_after_a_decrease():
+    control, clock = controller(initial=2, min=1, max=16, increase=2)
     succeed(control, clock, 1)
     assert control.limit == 2  # a window is one success per request in flight
     succeed(control, clock, 1)
-    assert control.limit == 3
-    succeed(control, clock, 3)
     assert control.limit == 4
+    succeed(control, clock, 4 + 8)
+    assert control.limit == 16
     succeed(control, clock, 40)
-    assert control.limit == 4
+    assert control.limit == 16
+    control.record(Feedback(started_at=clock.now, latency_s=1.0, overload="5xx"))
+    assert control.limit == 8 == control.threshold
+    succeed(control, clock, 8)
+    assert control.limit == 10  # from the threshold on, `increase` per window
 
 
-def test_holds_when_latency_grows_past_the_tolerance():
-    control, clock = controller(initial=2, max=10, latency_tolerance=2.0)
-    succeed(control, clock, 2, latency=1.0)
-    assert control.limit == 3
-    succeed(control, clock, 3, latency=1.9)
+def test_a_run_of_decreases_doubles_back_to_where_the_first_one_landed():
+    control, clock = controller(initial=16, min=1, max=16)
+    for _ in range(3):  # three waves of errors, no window holding in between
+        clock.now += 1
+        control.record(Feedback(started_at=clock.now, latency_s=1.0, overload="timeout"))
+    assert control.limit == 2 and control.threshold == 8
+    succeed(control, clock, 2)
     assert control.limit == 4
-    succeed(control, clock, 20, latency=2.5)
-    assert control.limit == 4
+    succeed(control, clock, 4)
+    assert control.limit == 8
+    succeed(control, clock, 8)
+    assert control.limit == 9
+
+
+def test_backs_off_when_latency_grows_past_the_tolerance():
+    control, clock = controller(initial=4, max=64, latency_tolerance=2.0)
+    succeed(control, clock, 4, latency=1.0)
+    assert control.limit == 8 and control.baseline_s == 1.0
+    succeed(control, clock, 8, latency=1.9)
+    assert control.limit == 16
+    succeed(control, clock, 16, latency=4.0)
+    assert control.limit == 8  # 4x the baseline
+    succeed(control, clock, 8, latency=1.5)  # the decrease helped: the latency was ours
+    assert control.limit == 9 and control.baseline_s == 1.0
+
+
+def test_latency_that_stays_at_the_lower_limit_becomes_the_baseline():
+    control, clock = controller(initial=16, max=64, latency_tolerance=2.0)
+    succeed(control, clock, 16, latency=1.0)
+    succeed(control, clock, 32, latency=5.0)  # longer tasks from here on
+    assert control.limit == 16
+    succeed(control, clock, 16, latency=4.5)  # halving the limit hardly helped
+    assert control.limit == 17 and control.baseline_s == 4.5
+    succeed(control, clock, 17, latency=5.0)
+    assert control.limit == 18
 
 
 @pytest.mark.parametrize("overload", ["timeout", "connection", "5xx", "429"])
@@ -82,13 +113,11 @@ def test_successes_sent_before_a_change_do_not_fill_the_new_window():
     assert control.limit == 3
 
 
-def test_a_growing_server_queue_shrinks_a_steady_one_does_not():
+def test_a_server_queue_alone_never_shrinks_the_limit():
     control, clock = controller(initial=4, max=16)
-    succeed(control, clock, 4, queue=2)
-    succeed(control, clock, 5, queue=2)
-    assert control.limit == 6  # steady queue, latency holds: still growing
-    succeed(control, clock, 6, queue=5)
-    assert control.limit == 3
+    for queue in (0, 1, 0, 3, 1, 8):
+        succeed(control, clock, control.limit, queue=queue)
+    assert control.limit == 16
 
 
 def test_limits_must_be_ordered():

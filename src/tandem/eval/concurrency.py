@@ -1,19 +1,32 @@
 """How many requests to keep in flight: additive increase, multiplicative decrease (AIMD), as TCP does.
 
-Start at `initial`; after a window of successes (one per request in flight)
-whose mean latency stays within `latency_tolerance` of the best window seen,
-add `increase`. Shrink by `decrease` on any sign of overload: a timeout, a
-connection error, a 5xx, a 429, or a server queue deeper than in the last
-window. Feedback from requests sent before the last change describes the old
-limit, so it neither fills a window nor shrinks the limit a second time.
-Nothing here knows about evals; the orchestrator drives inference the same way.
+A *window* is one success per request in flight. The limit is multiplied by
+`decrease` on a sign of overload: a timeout, a connection error, a 5xx or a
+429, or a window whose mean latency exceeds `latency_tolerance` times the
+baseline, the lowest window mean seen. After a window without one it grows:
+it doubles while below the slow-start threshold and adds `increase` above it.
+The threshold starts at `max` (so the limit doubles from `initial`) and is set
+to where the first decrease of a run of decreases lands, so after a burst of
+errors the limit doubles back to half of what it was, then probes on slowly.
+If the window after a latency decrease is hardly faster (less than halfway to
+what the decrease would give if the latency were all queueing behind our own
+requests), the latency was not ours (longer tasks, a slower server): its mean
+becomes the baseline and the limit grows again, instead of falling to `min`
+window after window.
+
+A server's queue depth is no overload signal: a saturated server that batches
+requests (continuous batching) always has a few waiting for the next step, and
+that small standing queue is its healthy state. Requests queued beyond what it
+can run show as latency growth. Feedback from requests sent before the last
+change describes the old limit, so it neither fills a window nor shrinks the
+limit a second time. Nothing here knows about evals; the orchestrator drives
+inference the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,7 +47,7 @@ class Feedback:
     overload: str | None = None
     """Why the attempt counts as overload ("timeout", "connection", "5xx", "429"); None for a success."""
     queue_depth: int | None = None
-    """Requests waiting on the server, when it reports it."""
+    """Requests waiting on the server, when it reports it (shown, not acted on)."""
 
 
 class AimdController:
@@ -43,37 +56,58 @@ class AimdController:
     def __init__(self, config: ConcurrencyConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.limit = config.initial
+        self.threshold = config.max
+        """Slow-start threshold: below it a window doubles the limit, from it on a window adds `increase`."""
+        self.baseline_s: float | None = None
+        """The lowest window mean latency seen (or the one adopted after latency that did not come from us)."""
         self._clock = clock
         self._changed_at = self._decreased_at = clock()
         self._window: list[Feedback] = []
-        self._best_latency = math.inf
-        self._last_queue: int | None = None
+        self._held = True
+        """Whether a window held since the last decrease (so the next decrease starts a new run of them)."""
+        self._slow_window_s: float | None = None
+        """The mean latency of the window that just decreased the limit, until the next window closes."""
 
     def record(self, feedback: Feedback) -> None:
         if feedback.overload is not None:
             if feedback.started_at >= self._decreased_at:
-                self._shrink(feedback.overload)
+                self._decrease(feedback.overload)
             return
         if feedback.started_at < self._changed_at:
             return
         self._window.append(feedback)
-        if len(self._window) < self.limit:
-            return
-        latency = sum(f.latency_s for f in self._window) / len(self._window)
-        depths = [f.queue_depth for f in self._window if f.queue_depth is not None]
-        queue = max(depths) if depths else None
-        queue_grew = queue is not None and self._last_queue is not None and queue > self._last_queue
-        self._last_queue = queue
-        self._best_latency = min(self._best_latency, latency)
-        self._window = []
-        if queue_grew:
-            self._shrink(f"server queue grew to {queue}")
-        elif latency <= self.config.latency_tolerance * self._best_latency:
-            self._set(min(self.config.max, self.limit + self.config.increase), "latency holds")
+        if len(self._window) >= self.limit:
+            self._close_window(sum(f.latency_s for f in self._window) / len(self._window))
 
-    def _shrink(self, reason: str) -> None:
+    def _close_window(self, latency: float) -> None:
+        """Move the limit by one full window's mean latency."""
+        slow, self._slow_window_s = self._slow_window_s, None
+        if self.baseline_s is None or latency < self.baseline_s:
+            self.baseline_s = latency
+        if latency <= self.config.latency_tolerance * self.baseline_s:
+            self._increase("latency holds")
+        elif slow is not None and latency > slow * (1 + self.config.decrease) / 2:
+            self.baseline_s = latency
+            self._increase(f"latency {latency:.3g}s stayed at the lower limit: the new baseline")
+        else:
+            self._decrease(f"latency {latency:.3g}s is {latency / self.baseline_s:.1f}x the baseline")
+            self._slow_window_s = latency
+
+    def _increase(self, reason: str) -> None:
+        self._held = True
+        if self.limit < self.threshold:
+            limit = min(self.threshold, 2 * self.limit)
+        else:
+            limit = min(self.config.max, self.limit + self.config.increase)
+        self._set(limit, reason)
+
+    def _decrease(self, reason: str) -> None:
         self._decreased_at = self._clock()
-        self._set(max(self.config.min, int(self.limit * self.config.decrease)), reason)
+        self._slow_window_s = None
+        limit = max(self.config.min, int(self.limit * self.config.decrease))
+        if self._held:
+            self.threshold, self._held = limit, False
+        self._set(limit, reason)
 
     def _set(self, limit: int, reason: str) -> None:
         self._changed_at = self._clock()
@@ -95,6 +129,8 @@ class AdaptiveLimiter:
     def __init__(self, controller: AimdController) -> None:
         self.controller = controller
         self.in_flight = 0
+        self.server_queue: int | None = None
+        """The queue depth the server reported last, for display."""
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -102,6 +138,8 @@ class AdaptiveLimiter:
         return self.controller.limit
 
     def record(self, feedback: Feedback) -> None:
+        if feedback.queue_depth is not None:
+            self.server_queue = feedback.queue_depth
         self.controller.record(feedback)
         self._wake()
 

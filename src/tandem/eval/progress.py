@@ -53,7 +53,9 @@ class EvalProgress:
             self._progress.update(row, stats=self._stats[name].describe())
 
     def _concurrency(self) -> str:
-        return f"concurrency {self._limiter.limit} ({self._limiter.in_flight} in flight)"
+        queue = self._limiter.server_queue
+        waiting = "" if queue is None else f", {queue} queued on the server"
+        return f"concurrency {self._limiter.limit} ({self._limiter.in_flight} in flight{waiting})"
 
     def _count(self, record: dict[str, Any]) -> None:
         self._stats[record["source"]].add(record)
