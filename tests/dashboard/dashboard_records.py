@@ -34,5 +34,5 @@ def heartbeat(index: int) -> dict:
     """A line of `inference_metrics.jsonl`, as the inference server appends every few seconds while it serves."""
     return {
         "time": 1_800_000_000.0 + 5 * index, "requests": 10 * index, "tokens_per_s": 100.0 + index,
-        "running": index % 3, "waiting": index % 2, "kv_usage": 0.1 * index,
+        "running": index % 3, "waiting": index % 2, "kv_usage": 0.04 * index,
     }  # fmt: skip

@@ -129,6 +129,15 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         assert polylines(rl_page, "staleness") == {"mean lag": (5, 5)}
         assert polylines(rl_page, "online_eval") == {"eval/a/reward": (1, 2)}
         assert polylines(rl_page, "online_eval_pass") == {"eval/a/pass@1": (1, 2)}
+        assert polylines(rl_page, "idle_step") == {"trainer": (5, 5), "inference": (5, 5)}
+        assert polylines(rl_page, "idle_total") == {"trainer": (5, 5), "inference": (5, 5)}
+        assert polylines(rl_page, "inference_tokens") == {"tokens/s": (4, 15)}  # over seconds up: 0, 5, 10, 15
+        assert polylines(rl_page, "inference_queue") == {"running": (4, 15), "waiting": (4, 15)}
+        assert 'data-total="10"' in rl_page and len(re.findall(r'<tr data-outcome="', rl_page)) == 10
+        assert 'id="rollouts" hidden' not in rl_page and 'id="rollouts" hidden' in run_page  # RL runs only
+        step_two = chromium(tmp_path, "--dump-dom", f"{base}/run/rl-run?step=2&outcome=ok")
+        assert 'data-total="1"' in step_two and re.findall(r'<tr data-outcome="(\w+)"', step_two) == ["ok"]
+        assert "user: reverse 2" in step_two and "esrever 2" in step_two and "esrever 3" not in step_two
 
         eval_page = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval")
         row = re.search(r'<tr data-source="reverse_text">.*?</tr>', eval_page, re.S)

@@ -7,39 +7,29 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from tandem.dashboard.runs import Outputs, Run, is_number
-from tandem.eval.summary import OUTCOMES, summarize_source
+from tandem.dashboard.runs import Outputs, Run
+from tandem.eval.summary import summarize_source
+from tandem.eval.traces import is_trace
 from tandem.jsonl import JsonlFollower
 
 
-def summary_fields(record: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """(source, the fields `summarize_source` reads) of a trace record; None if any is missing or mistyped."""
-    task, tokens, source = record.get("task"), record.get("tokens"), record.get("source", "?")
-    if not (isinstance(task, dict) and isinstance(tokens, dict) and isinstance(source, str)):
-        return None
-    fields = {
-        "outcome": record.get("outcome"),
-        "reward": record.get("reward"),
-        "task": {"id": task.get("id")},
-        "tokens": {"prompt": tokens.get("prompt"), "completion": tokens.get("completion")},
-        "latency_s": record.get("latency_s"),
+def summary_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """What `summarize_source` reads of a trace record (`is_trace` checked it has each field)."""
+    return {
+        "outcome": record["outcome"],
+        "reward": record["reward"],
+        "task": {"id": record["task"]["id"]},
+        "tokens": {"prompt": record["tokens"]["prompt"], "completion": record["tokens"]["completion"]},
+        "latency_s": record["latency_s"],
     }
-    numbers = (fields["reward"], *fields["tokens"].values(), fields["latency_s"])
-    if (
-        fields["outcome"] not in OUTCOMES
-        or not isinstance(task.get("id"), str | int)
-        or not all(map(is_number, numbers))
-    ):
-        return None
-    return source, fields
 
 
 class EvalTraces:
     """An eval's `traces.jsonl`, followed as it grows, keeping of each rollout only the numbers its summary needs
     (never its prompt or completion), so memory grows with the rollouts, not with their text.
 
-    A record whose `key` was seen before counts once; a record missing a field the summary needs is skipped
-    and counted.
+    As `tandem.eval.traces.read_traces` reads them: a record that is not a trace (`is_trace`) is skipped and
+    counted, and a later record for a key already read is skipped (a rollout counts once).
     """
 
     def __init__(self, path: Path):
@@ -84,20 +74,15 @@ class EvalTraces:
         return self
 
     def _add(self, record: dict[str, Any]) -> None:
-        found = summary_fields(record)
-        if found is None:
+        if not is_trace(record):
             self._unusable += 1
-            return
-        key = record.get("key")
-        if isinstance(key, str):
-            if key in self.keys:
-                self.duplicates += 1
-                return
-            self.keys.add(key)
-        source, fields = found
-        self.by_source[source].append(fields)
-        self.rollouts += 1
-        self.reward_sum += fields["reward"]
+        elif record["key"] in self.keys:
+            self.duplicates += 1
+        else:
+            self.keys.add(record["key"])
+            self.by_source[record["source"]].append(summary_fields(record))
+            self.rollouts += 1
+            self.reward_sum += record["reward"]
 
     def summaries(self) -> dict[str, dict[str, Any]]:
         sources = {}
