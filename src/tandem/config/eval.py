@@ -53,17 +53,17 @@ class RetryConfig(Section):
 
 class ConcurrencyConfig(Section):
     initial: int = Field(4, ge=1)
-    """Requests in flight at the start."""
+    """Requests in flight at the start; the limit doubles from here after each window until the first decrease."""
     min: int = Field(1, ge=1)
     """Never fewer requests in flight than this."""
     max: int = Field(64, ge=1)
     """Never more requests in flight than this."""
     increase: int = Field(1, ge=1)
-    """Requests added after a window of successes (one per request in flight) whose latency holds."""
+    """Requests added after a window of successes (one per request in flight) once past slow start."""
     decrease: float = Field(0.5, gt=0, lt=1)
-    """Factor applied to the limit on a timeout, an error, a 429/503 or a growing server queue."""
+    """Factor applied to the limit on a timeout, a connection error, a 5xx/429 or a latency past the tolerance."""
     latency_tolerance: float = Field(2.0, ge=1)
-    """Latency holds while a window's mean stays within this factor of the best window's mean."""
+    """A window whose mean latency exceeds this factor of the baseline (the lowest window mean) backs off."""
 
     @model_validator(mode="after")
     def _ordered(self) -> ConcurrencyConfig:
@@ -116,7 +116,7 @@ class EvalConfig(RunConfig):
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     """Adaptive number of requests in flight, shared by all sources (AIMD)."""
     resume: Path | None = None
-    """Run directory of an earlier eval to continue: only missing rollouts run; its config must match."""
+    """Run directory of an earlier eval to continue: its saved config under the keys given; only missing rollouts run."""
 
     @model_validator(mode="before")
     @classmethod
