@@ -63,11 +63,14 @@ def make_engine(model_dir):
 
 @pytest.fixture
 def serve(tokenizer, tmp_path):
-    """`serve(engine, admin_token=None, weights_dir=tmp_path)` -> a running ServerThread, stopped after the test."""
+    """`serve(engine, admin_token=None, weights_dir=tmp_path, tokenizer=None, **InferenceServer options)` -> a running
+    ServerThread, stopped after the test."""
     servers: list[ServerThread] = []
 
-    def start(engine: Engine, admin_token: str | None = None, weights_dir: Path | None = None) -> ServerThread:
-        servers.append(ServerThread(engine, tokenizer, weights_dir or tmp_path, admin_token))
+    def start(
+        engine: Engine, admin_token: str | None = None, weights_dir: Path | None = None, tokenizer=tokenizer, **options
+    ) -> ServerThread:
+        servers.append(ServerThread(engine, tokenizer, weights_dir or tmp_path, admin_token, **options))
         return servers[-1]
 
     yield start

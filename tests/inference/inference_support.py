@@ -28,9 +28,10 @@ def engine_config(path: Path, **overrides) -> InferenceConfig:
 class ServerThread:
     """`InferenceServer` under uvicorn on a thread, bound to a free loopback port."""
 
-    def __init__(self, engine: Engine, tokenizer, weights_dir: Path, admin_token: str | None = None) -> None:
+    def __init__(self, engine: Engine, tokenizer, weights_dir: Path, admin_token: str | None = None, **options) -> None:
         self.engine = engine
-        app = InferenceServer(engine, tokenizer, "tiny", admin_token=admin_token, weights_dir=weights_dir).app()
+        server = InferenceServer(engine, tokenizer, "tiny", admin_token=admin_token, weights_dir=weights_dir, **options)
+        app = server.app()
         config = uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=1, access_log=False)
         self._server = uvicorn.Server(config)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

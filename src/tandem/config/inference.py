@@ -24,7 +24,15 @@ class InferenceConfig(RunConfig):
     port: int = Field(8000, ge=0, le=65535)
     """TCP port to listen on (0 picks a free one)."""
     admin_token: str | None = None
-    """Bearer token required by /update_weights, /pause and /resume (default: $TANDEM_ADMIN_TOKEN, if set)."""
+    """Bearer token required by the admin routes (/update_weights, /pause, /resume; default: $TANDEM_ADMIN_TOKEN)."""
+    max_body_bytes: int = Field(32 * 2**20, ge=1024)
+    """Largest request body accepted (larger ones get 413); the default, 32 MiB, holds a 128k-token prompt."""
+    trust_request_chat_template: bool = False
+    """Let chat requests bring their own Jinja chat template (chat_template_kwargs.chat_template; size and time limited)."""
+    broadcast_hosts: list[str] = Field(default_factory=list)
+    """Addresses besides loopback /weights/broadcast/join may connect to (the trainer's weights.host on another node)."""
+    log_interval_s: float = Field(10.0, ge=0)
+    """Log a one-line serving summary and append it to <run>/inference_metrics.jsonl this often (0: never)."""
     served_model_name: str = ""
     """Model id clients ask for and /v1/models lists (default: the model directory's name)."""
     weights_dir: Path | None = None

@@ -2,14 +2,14 @@
 
 Once the server accepts connections it prints `tandem inference listening on http://HOST:PORT` and writes
 `<run_dir>/server.json` (`{"url", "pid", "model"}`, atomically), so a parent that passed `--port 0` finds
-the port. With `engine = "vllm"` the same checks run and the same file is written, but vLLM serves
-(`tandem.inference.vllm`).
+the port. While serving, it logs a one-line summary every `log_interval_s` and appends the same record to
+`<run_dir>/inference_metrics.jsonl` (serving_log.py). With `engine = "vllm"` the same checks run and the same
+file is written, but vLLM serves (`tandem.inference.vllm`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -26,7 +26,9 @@ from tandem.config import ConfigError
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
+from tandem.inference.serving_log import ServingSummary
 from tandem.models import load_model, model_args
+from tandem.net import is_loopback
 from tandem.run import atomic_write_text, prepare_run_dir
 
 logger = logging.getLogger(__name__)
@@ -41,15 +43,6 @@ class Terminated(Exception):
 
 def _terminate(signum: int, frame: Any) -> None:
     raise Terminated
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _model_dir(config: InferenceConfig) -> Path:
@@ -148,9 +141,17 @@ def run(config: InferenceConfig) -> int:
             "serving %s as `%s` on %s (%s), context %d", model_dir, name, device, config.model.dtype, config.seq_len
         )
         server = InferenceServer(
-            engine, tokenizer, name, admin_token=admin_token, weights_dir=config.weights_dir or config.output_dir
+            engine,
+            tokenizer,
+            name,
+            admin_token=admin_token,
+            weights_dir=config.weights_dir or config.output_dir,
+            max_body_bytes=config.max_body_bytes,
+            trust_request_chat_template=config.trust_request_chat_template,
+            broadcast_hosts=config.broadcast_hosts,
         )
-        asyncio.run(_serve(server.app(), config, run_dir, name))
+        summary = ServingSummary(engine.stats, run_dir) if config.log_interval_s > 0 else None
+        asyncio.run(_serve(server.app(), config, run_dir, name, summary))
     except Terminated:
         logger.info("stopping on SIGTERM")
     finally:
@@ -171,7 +172,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(app: Any, config: InferenceConfig, run_dir: Path, name: str) -> None:
+async def _serve(app: Any, config: InferenceConfig, run_dir: Path, name: str, summary: ServingSummary | None) -> None:
     sock = _listen(config.host, config.port)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -187,7 +188,12 @@ async def _serve(app: Any, config: InferenceConfig, run_dir: Path, name: str) ->
         await asyncio.sleep(0.02)
     if server.started:
         announce(run_dir, sock, name)
-    await serving
+    logging_summary = asyncio.create_task(summary.run(config.log_interval_s)) if summary is not None else None
+    try:
+        await serving
+    finally:
+        if logging_summary is not None:
+            logging_summary.cancel()
 
 
 def announce(run_dir: Path, sock: socket.socket, name: str) -> str:

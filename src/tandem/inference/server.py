@@ -1,22 +1,21 @@
 """The HTTP server: OpenAI-compatible routes, token-in `/generate`, health, metrics and admin routes.
 
 Handlers run on the asyncio loop; each HTTP request becomes one engine request per prompt (`Batch`), whose
-updates the engine thread hands to the loop. A request's body is validated strictly (`protocol.py`); every
-mistake is a 4xx JSON error `{"error": {"message", "type", "param"}}` and the server carries on. A client
-that disconnects cancels its engine requests, which frees their cache. Admin routes need the bearer token
-when one is configured (always when binding beyond loopback). Every response carries `x-queue-depth`.
+updates the engine thread hands to the loop. Tokenizing and chat templating run on worker threads, so a huge
+prompt never holds up `/health` or other requests. Reading, parsing and refusing requests, the admin guard and
+the `x-queue-depth` header are `http.py`'s, shared with the vLLM routes: a request's body is size-limited and
+validated strictly (`protocol.py`); every mistake is a 4xx JSON error and the server carries on. A client that
+disconnects cancels its engine requests, which frees their cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,12 +23,28 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from tandem.inference import openai_api
+from tandem.inference.client_template import TemplateRefused, check_template_kwargs, with_deadline
 from tandem.inference.engine import Collector, Engine
+from tandem.inference.http import (
+    CLIENT_GONE,
+    DEFAULT_MAX_BODY_BYTES,
+    AdminGuard,
+    HTTPError,
+    QueueDepthHeader,
+    check_model,
+    client_gone,
+    describe,
+    endpoint,
+    error_body,
+    json_response,
+    parse,
+    sse,
+)
 from tandem.inference.outputs import RequestUpdate, SampleUpdate
 from tandem.inference.protocol import (
     AssistantMessage,
@@ -57,50 +72,7 @@ from tandem.inference.weights_broadcast import BroadcastEndpoint
 
 logger = logging.getLogger(__name__)
 
-QUEUE_DEPTH_HEADER = "x-queue-depth"
-CLIENT_GONE = 499
 M = TypeVar("M", bound=BaseModel)
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def _error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def _describe(error: ValidationError) -> str:
-    """A validation error as `field: problem; ...` (the first few)."""
-    parts = []
-    for item in error.errors(include_url=False)[:6]:
-        where = ".".join(str(part) for part in item["loc"])
-        if item["type"] == "json_invalid":
-            parts.append(f"invalid JSON: {item['msg']}")
-        elif item["type"] == "extra_forbidden":
-            parts.append(f"unknown field `{where}`")
-        else:
-            parts.append(f"{where or 'body'}: {item['msg']}")
-    return "; ".join(parts)
-
-
-async def _parse(request: Request, model: type[M]) -> M:
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as error:
-        raise HTTPError(400, _describe(error)) from None
-
-
-def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read, so only a disconnect can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class Batch:
@@ -153,7 +125,7 @@ class Batch:
 
     async def finish_unless_gone(self, request: Request) -> bool:
         """Wait for every engine request; False (and cancelled) if the client went away first."""
-        waiter, gone = asyncio.ensure_future(self.wait()), asyncio.ensure_future(_client_gone(request))
+        waiter, gone = asyncio.ensure_future(self.wait()), asyncio.ensure_future(client_gone(request))
         try:
             done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled (server shutdown)
@@ -168,11 +140,6 @@ class Batch:
         return True
 
 
-def _sse(data: BaseModel | dict[str, Any]) -> str:
-    text = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
-    return f"data: {text}\n\n"
-
-
 async def _stream(
     batch: Batch, render: Callable[[int, SampleUpdate], BaseModel | None], tail: Callable[[], list[BaseModel]]
 ) -> AsyncIterator[str]:
@@ -183,35 +150,15 @@ async def _stream(
             for sample in samples:
                 chunk = render(index, sample)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield sse(chunk)
         if batch.error:
-            yield _sse(_error_body(500, batch.error, "server_error"))
+            yield sse(error_body(500, batch.error, "server_error"))
             return
         for chunk in tail():
-            yield _sse(chunk)
+            yield sse(chunk)
         yield "data: [DONE]\n\n"
     finally:
         batch.cancel()
-
-
-class QueueDepthHeader:
-    """Adds `x-queue-depth` (requests waiting in the engine) to every response; the eval client's concurrency
-    control reads it."""
-
-    def __init__(self, app: ASGIApp, engine: Engine) -> None:
-        self.app, self.engine = app, engine
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def with_header(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                depth = str(self.engine.gauges.waiting_requests).encode()
-                message["headers"] = [*message.get("headers", []), (QUEUE_DEPTH_HEADER.encode(), depth)]
-            await send(message)
-
-        await self.app(scope, receive, with_header)
 
 
 class InferenceServer:
@@ -225,60 +172,52 @@ class InferenceServer:
         *,
         admin_token: str | None,
         weights_dir: Path,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        trust_request_chat_template: bool = False,
+        broadcast_hosts: Sequence[str] = (),
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.admin_token, self.weights_dir = admin_token, weights_dir
+        self.weights_dir, self.max_body_bytes = weights_dir, max_body_bytes
+        self.trust_request_chat_template = trust_request_chat_template
+        self.admin = AdminGuard(admin_token)
         self.created = int(time.time())
         self._weights_lock = asyncio.Lock()
-        self.broadcast = BroadcastEndpoint(engine)  # the trainer's weight broadcast (weights_broadcast.py)
+        # the trainer's weight broadcast (weights_broadcast.py)
+        self.broadcast = BroadcastEndpoint(engine, broadcast_hosts)
 
     def app(self) -> ASGIApp:
         routes = [
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/generate", self.generate, methods=["POST"]),
-            Route("/update_weights", self._admin(self.update_weights), methods=["POST"]),
-            Route("/pause", self._admin(self.pause), methods=["POST"]),
-            Route("/resume", self._admin(self.resume), methods=["POST"]),
-            Route("/weights/broadcast/join", self._admin(self.broadcast.join_route), methods=["POST"]),
-            Route("/weights/broadcast", self.broadcast.status_route, methods=["GET"]),
+            Route("/health", endpoint(self.health), methods=["GET"]),
+            Route("/metrics", endpoint(self.metrics), methods=["GET"]),
+            Route("/v1/models", endpoint(self.models), methods=["GET"]),
+            Route("/v1/completions", endpoint(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", endpoint(self.chat_completions), methods=["POST"]),
+            Route("/generate", endpoint(self.generate), methods=["POST"]),
+            Route("/update_weights", endpoint(self.admin(self.update_weights)), methods=["POST"]),
+            Route("/pause", endpoint(self.admin(self.pause)), methods=["POST"]),
+            Route("/resume", endpoint(self.admin(self.resume)), methods=["POST"]),
+            Route("/weights/broadcast/join", endpoint(self.admin(self.broadcast.join_route)), methods=["POST"]),
+            Route("/weights/broadcast", endpoint(self.broadcast.status_route), methods=["GET"]),
         ]
-        handlers = {HTTPError: self._http_error, Exception: self._server_error}
-        return QueueDepthHeader(Starlette(routes=routes, exception_handlers=handlers), self.engine)  # type: ignore[arg-type]
+        return QueueDepthHeader(Starlette(routes=routes), lambda: self.engine.gauges.waiting_requests)
 
-    # --- errors, auth, shared checks ---
+    # --- shared checks, tokenizing off the loop ---
 
-    async def _http_error(self, request: Request, error: Exception) -> Response:
-        assert isinstance(error, HTTPError)
-        return JSONResponse(_error_body(error.status, error.message, error.kind, error.param), status_code=error.status)
-
-    async def _server_error(self, request: Request, error: Exception) -> Response:
-        logger.exception("%s %s failed", request.method, request.url.path, exc_info=error)
-        return JSONResponse(_error_body(500, f"{type(error).__name__}: {error}", "server_error"), status_code=500)
-
-    def _admin(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def checked(request: Request) -> Response:
-            if self.admin_token is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
-                    raise HTTPError(
-                        401, "admin routes need `Authorization: Bearer <admin token>`", "authentication_error"
-                    )
-            return await handler(request)
-
-        return checked
+    async def _parse(self, request: Request, model: type[M]) -> M:
+        return await parse(request, model, self.max_body_bytes)
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise HTTPError(
-                404,
-                f"model `{name}` is not served here; this server serves `{self.model_name}`",
-                "not_found_error",
-                "model",
-            )
+        check_model(name, self.model_name)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The rendered, tokenized conversation, on a worker thread (under a deadline when the request brings its
+        own template)."""
+        try:
+            own = check_template_kwargs(body.chat_template_kwargs, trust_request_template=self.trust_request_chat_template)
+        except TemplateRefused as error:
+            raise HTTPError(400, str(error), param="chat_template_kwargs") from None
+        render = partial(openai_api.chat_prompt, body, self.tokenizer)
+        return await asyncio.to_thread(partial(with_deadline, render) if own else render)
 
     def _status(self) -> EngineStatus:
         alive = self.engine.alive
@@ -293,7 +232,7 @@ class InferenceServer:
 
     async def health(self, request: Request) -> Response:
         status = self._status()
-        return _json(status, 200 if status.status == "ok" else 503)
+        return json_response(status, 200 if status.status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:
         stats = self.engine.stats()
@@ -332,10 +271,10 @@ class InferenceServer:
 
     async def models(self, request: Request) -> Response:
         card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len)
-        return _json(ModelList(data=[card]))
+        return json_response(ModelList(data=[card]))
 
     async def generate(self, request: Request) -> Response:
-        body = await _parse(request, GenerateRequest)
+        body = await self._parse(request, GenerateRequest)
         self._check_model(body.model)
         params = body.sampling
         batch = Batch(self.engine, body.prompts, params, body.n, stream=False, text=False)
@@ -351,16 +290,16 @@ class InferenceServer:
         response = GenerateResponse(
             id=f"gen-{uuid.uuid4().hex}", model=self.model_name, policy_version=self.engine.version, outputs=outputs
         )
-        return _json(response)
+        return json_response(response)
 
     async def completions(self, request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         try:
-            prompts = openai_api.completion_prompts(body, self.tokenizer)
+            prompts = await asyncio.to_thread(openai_api.completion_prompts, body, self.tokenizer)
             params = openai_api.completion_sampling(body)
         except ValidationError as error:
-            raise HTTPError(400, _describe(error)) from None
+            raise HTTPError(400, describe(error)) from None
         except openai_api.RequestError as error:
             raise HTTPError(400, str(error)) from None
         batch = Batch(self.engine, prompts, params, body.n, stream=body.stream, text=True)
@@ -421,16 +360,16 @@ class InferenceServer:
             for index, collector in enumerate(batch.collectors)
             for s, record in enumerate(collector.samples)
         ]
-        return _json(response(choices, usage()))
+        return json_response(response(choices, usage()))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         try:
-            prompt = openai_api.chat_prompt(body, self.tokenizer)
+            prompt = await self._chat_prompt(body)
             params = openai_api.chat_sampling(body)
         except ValidationError as error:
-            raise HTTPError(400, _describe(error)) from None
+            raise HTTPError(400, describe(error)) from None
         except openai_api.RequestError as error:
             raise HTTPError(400, str(error)) from None
         batch = Batch(self.engine, [prompt], params, body.n, stream=body.stream, text=True)
@@ -463,7 +402,7 @@ class InferenceServer:
 
             async def events() -> AsyncIterator[str]:
                 for i in range(body.n):
-                    yield _sse(chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
+                    yield sse(chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
                 with_usage = body.stream_options is not None and body.stream_options.include_usage
                 async for event in _stream(batch, render, lambda: [chunk([], usage())] if with_usage else []):
                     yield event
@@ -490,10 +429,10 @@ class InferenceServer:
             usage=usage(),
             prompt_token_ids=prompt if body.return_token_ids else None,
         )
-        return _json(response)
+        return json_response(response)
 
     async def update_weights(self, request: Request) -> Response:
-        body = await _parse(request, UpdateWeightsRequest)
+        body = await self._parse(request, UpdateWeightsRequest)
         async with self._weights_lock:
             if body.version < self.engine.version:  # a late or duplicated update must not roll the policy back
                 raise HTTPError(
@@ -512,12 +451,12 @@ class InferenceServer:
             load_s = time.monotonic() - started
             pause_s = await asyncio.wrap_future(self.engine.swap_weights(tensors, body.version))
         logger.info("loaded %s as policy version %d (read %.2f s, paused %.3f s)", path, body.version, load_s, pause_s)
-        return _json(UpdateWeightsResponse(policy_version=self.engine.version, load_s=load_s, pause_s=pause_s))
+        return json_response(UpdateWeightsResponse(policy_version=self.engine.version, load_s=load_s, pause_s=pause_s))
 
     async def pause(self, request: Request) -> Response:
         await asyncio.wrap_future(self.engine.pause())
-        return _json(self._status())
+        return json_response(self._status())
 
     async def resume(self, request: Request) -> Response:
         await asyncio.wrap_future(self.engine.resume())
-        return _json(self._status())
+        return json_response(self._status())

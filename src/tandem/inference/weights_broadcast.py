@@ -7,33 +7,38 @@ place, so CUDA graphs stay valid), marks the new version through `Engine.swap_we
 no-ops), resumes, and acknowledges. `GET /weights/broadcast` reports the state, the version and any error; the
 orchestrator follows it. A failure part-way leaves the engine paused (its weights are half-written) and the
 state `failed` with the message.
+
+A join makes this server connect to the address in its body, so the address is checked first: the host must be
+a loopback address or one of the server's `broadcast_hosts` (the trainer's `weights.host` on another node), the
+port in 1..65535 (`Rendezvous`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 
-from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tandem.inference.engine import Engine
+from tandem.inference.http import HTTPError, json_response, parse
+from tandem.net import is_loopback
 from tandem.transport.broadcast import JoinRequest, ReceiverStatus, WeightBroadcastError, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
-
-def _error(status: int, message: str) -> Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
+JOIN_BODY_BYTES = 64 * 1024
 
 
 class BroadcastEndpoint:
     """The two routes and the receiving thread of one server."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, allowed_hosts: Iterable[str] = ()) -> None:
         self.engine = engine
+        self.allowed_hosts = frozenset(allowed_hosts)
+        """Hosts besides loopback a join may name."""
         self.state: str = "idle"
         self.error: str | None = None
         self.policies = 0
@@ -45,19 +50,30 @@ class BroadcastEndpoint:
         )
 
     async def status_route(self, request: Request) -> Response:
-        return Response(self.status().model_dump_json(), media_type="application/json")
+        return json_response(self.status())
 
     async def join_route(self, request: Request) -> Response:
-        try:
-            join = JoinRequest.model_validate_json(await request.body())
-        except ValidationError as error:
-            return _error(400, f"bad join request: {error.errors(include_url=False)[:3]}")
+        join = await parse(request, JoinRequest, JOIN_BODY_BYTES)
+        self._check_host(join.host)
         if self._thread is not None and self._thread.is_alive():
-            return _error(409, "this server has already joined a weight broadcast")
+            raise HTTPError(409, "this server has already joined a weight broadcast")
         self.state, self.error = "joining", None
         self._thread = threading.Thread(target=self._run, args=(join,), name="tandem-weights-broadcast", daemon=True)
         self._thread.start()
-        return Response(self.status().model_dump_json(), status_code=202, media_type="application/json")
+        return json_response(self.status(), 202)
+
+    def _check_host(self, host: str) -> None:
+        """403 unless `host` is one this server may connect to for a broadcast."""
+        if is_loopback(host) or host in self.allowed_hosts:
+            return
+        allowed = ", ".join(sorted(self.allowed_hosts)) or "none configured"
+        raise HTTPError(
+            403,
+            f"this server joins weight broadcasts only on loopback or its `broadcast_hosts` ({allowed}), "
+            f"not at `{host}`",
+            "permission_error",
+            "host",
+        )
 
     def _run(self, join: JoinRequest) -> None:
         receiver = WeightReceiver(join)

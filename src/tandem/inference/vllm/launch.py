@@ -90,6 +90,7 @@ def serve(config: InferenceConfig, model_dir: Path, admin_token: str | None) -> 
         admin_token=admin_token,
         exact_replay=config.exact_replay,
         run_dir=str(run_dir),
+        max_body_bytes=config.max_body_bytes,
     )
     os.environ[SETTINGS_ENV] = settings.to_env()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)  # GiB of KV cache on CPU, as the built-in

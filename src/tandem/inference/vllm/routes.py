@@ -1,9 +1,9 @@
 """tandem's routes on a vLLM server: an ASGI middleware in front of vLLM's FastAPI app (vLLM's `--middleware`).
 
 It answers `POST /generate`, `/update_weights`, `/pause`, `/resume` and `GET /health` with the request and
-response bodies of the built-in server (`tandem.inference.protocol`) and its errors, admin token rule and
-weights-directory restriction, so the orchestrator cannot tell the engines apart; every other request goes on to
-vLLM. The engine is vLLM's `EngineClient` (`app.state.engine_client`):
+response bodies of the built-in server (`tandem.inference.protocol`) and, through the same plumbing
+(`tandem.inference.http`), its errors, body-size limit, admin guard and model check, plus its weights-directory
+restriction, so the orchestrator cannot tell the engines apart; every other request goes on to vLLM. The engine is vLLM's `EngineClient` (`app.state.engine_client`):
 
 - `/generate` runs one vLLM request per prompt (`n` samples each), with logprobs of the sampled tokens as vLLM
   computes them after temperature and truncation (`--logprobs-mode processed_logprobs`) and per-token policy
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import os
@@ -36,9 +35,19 @@ from typing import Any
 
 from safetensors import safe_open
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.inference.http import (
+    CLIENT_GONE,
+    AdminGuard,
+    HTTPError,
+    answer,
+    check_model,
+    client_gone,
+    json_response,
+    parse,
+)
 from tandem.inference.main import announce
 from tandem.inference.protocol import (
     EngineStatus,
@@ -50,7 +59,6 @@ from tandem.inference.protocol import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from tandem.inference.server import CLIENT_GONE, HTTPError, _client_gone, _error_body, _json, _parse
 from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, resolve_weights_path
 
 logger = logging.getLogger(__name__)
@@ -68,6 +76,7 @@ class RouteSettings:
     exact_replay: bool
     run_dir: str
     """Where `server.json` is written once the server listens."""
+    max_body_bytes: int
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -101,12 +110,13 @@ class TandemRoutes:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.settings = RouteSettings.from_env()
+        admin = AdminGuard(self.settings.admin_token)
         self.routes: dict[tuple[str, str], Handler] = {
             ("POST", "/generate"): self.generate,
             ("GET", "/health"): self.health,
-            ("POST", "/update_weights"): self._admin(self.update_weights),
-            ("POST", "/pause"): self._admin(self.pause),
-            ("POST", "/resume"): self._admin(self.resume),
+            ("POST", "/update_weights"): admin(self.update_weights),
+            ("POST", "/pause"): admin(self.pause),
+            ("POST", "/resume"): admin(self.resume),
         }
         self.error: str | None = None  # set when a weight update failed part-way
         self._weights_lock: asyncio.Lock | None = None
@@ -122,15 +132,7 @@ class TandemRoutes:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive)
-        try:
-            response = await handler(request, scope["app"].state.engine_client)
-        except HTTPError as error:
-            body = _error_body(error.status, error.message, error.kind, error.param)
-            response = JSONResponse(body, status_code=error.status)
-        except Exception as error:
-            logger.exception("%s %s failed", request.method, request.url.path)
-            body = _error_body(500, f"{type(error).__name__}: {error}", "server_error")
-            response = JSONResponse(body, status_code=500)
+        response = await answer(request, handler(request, scope["app"].state.engine_client))
         await response(scope, receive, send)
 
     # --- start-up: version 0, then server.json once the server listens ---
@@ -152,17 +154,7 @@ class TandemRoutes:
             await asyncio.sleep(0.05)
         announce(Path(self.settings.run_dir), app.state.server.servers[0].sockets[0], self.settings.model_name)
 
-    # --- shared checks ---
-
-    def _admin(self, handler: Handler) -> Handler:
-        async def checked(request: Request, engine: Any) -> Response:
-            token = self.settings.admin_token
-            given = request.headers.get("authorization", "")
-            if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise HTTPError(401, "admin routes need `Authorization: Bearer <admin token>`", "authentication_error")
-            return await handler(request, engine)
-
-        return checked
+    # --- shared state ---
 
     async def _version(self, engine: Any) -> int:
         return _version_number(await engine.get_weight_version()) or 0
@@ -182,25 +174,19 @@ class TandemRoutes:
 
     async def health(self, request: Request, engine: Any) -> Response:
         status = await self._status(engine)
-        return _json(status, 200 if status.status == "ok" else 503)
+        return json_response(status, 200 if status.status == "ok" else 503)
 
     async def pause(self, request: Request, engine: Any) -> Response:
         await engine.pause_generation(mode="keep", clear_cache=False)
-        return _json(await self._status(engine))
+        return json_response(await self._status(engine))
 
     async def resume(self, request: Request, engine: Any) -> Response:
         await engine.resume_generation()
-        return _json(await self._status(engine))
+        return json_response(await self._status(engine))
 
     async def generate(self, request: Request, engine: Any) -> Response:
-        body = await _parse(request, GenerateRequest)
-        if body.model is not None and body.model != self.settings.model_name:
-            raise HTTPError(
-                404,
-                f"model `{body.model}` is not served here; this server serves `{self.settings.model_name}`",
-                "not_found_error",
-                "model",
-            )
+        body = await parse(request, GenerateRequest, self.settings.max_body_bytes)
+        check_model(body.model, self.settings.model_name)
         if self.error is not None:
             raise HTTPError(503, f"not generating with partly loaded weights: {self.error}", "server_error")
         params = body.sampling
@@ -217,7 +203,7 @@ class TandemRoutes:
             _check_room(prompt, params, max_model_len)
         vllm_params = _vllm_sampling(params, body.n)
         tasks = [asyncio.ensure_future(self._prompt(engine, prompt, vllm_params, params)) for prompt in body.prompts]
-        everything, gone = asyncio.gather(*tasks), asyncio.ensure_future(_client_gone(request))
+        everything, gone = asyncio.gather(*tasks), asyncio.ensure_future(client_gone(request))
         try:
             done, _ = await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # cancelling a vLLM request's generator aborts it
@@ -233,7 +219,7 @@ class TandemRoutes:
             policy_version=await self._version(engine),
             outputs=everything.result(),
         )
-        return _json(response)
+        return json_response(response)
 
     async def _prompt(self, engine: Any, prompt: list[int], vllm_params: Any, params: SamplingParams) -> PromptOutput:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
@@ -252,7 +238,7 @@ class TandemRoutes:
         return PromptOutput(prompt_token_count=len(prompt), samples=samples)
 
     async def update_weights(self, request: Request, engine: Any) -> Response:
-        body = await _parse(request, UpdateWeightsRequest)
+        body = await parse(request, UpdateWeightsRequest, self.settings.max_body_bytes)
         try:
             path = resolve_weights_path(body.path, Path(self.settings.weights_dir))
             self._check_same_model(path)
@@ -282,7 +268,7 @@ class TandemRoutes:
         logger.info(
             "loaded %s as policy version %d (%.2f s, generation held %.2f s)", path, body.version, load_s, pause_s
         )
-        return _json(UpdateWeightsResponse(policy_version=body.version, load_s=load_s, pause_s=pause_s))
+        return json_response(UpdateWeightsResponse(policy_version=body.version, load_s=load_s, pause_s=pause_s))
 
     def _check_same_model(self, path: Path) -> None:
         """WeightsError unless `path` holds the served architecture with the served tensor names and shapes."""

@@ -1,0 +1,219 @@
+"""HTTP plumbing shared by every tandem route: the built-in server (server.py), tandem's routes on a vLLM server
+(vllm/routes.py) and the weight-broadcast endpoint (weights_broadcast.py), so both engines read, check and refuse
+a request the same way.
+
+- **Errors.** A handler raises `HTTPError`; `answer` turns it into `{"error": {"message", "type", "param",
+  "code"}}`. Anything else is logged once, with its traceback, and answered 500. A client that disconnects
+  before its body has arrived costs one log line (and a 499 nobody reads).
+- **Bodies.** At most `max_body_bytes` (413, before a byte is read when `Content-Length` already says so),
+  parsed strictly into a pydantic model; a large body is parsed on a worker thread, so the event loop keeps
+  answering `/health` and the other requests meanwhile.
+- **Admin routes** (`AdminGuard`): the bearer token when one is configured; a body must be declared JSON and an
+  `Origin` header, when a browser sends one, must name this server. A page on another site (or a DNS-rebound
+  name) therefore cannot reach them: the "simple" requests a browser sends cross-site without asking (a form,
+  a `text/plain` fetch) are refused, and a JSON one needs a CORS preflight this server never grants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.config.inference import InferenceConfig
+from tandem.net import is_loopback
+
+logger = logging.getLogger(__name__)
+
+QUEUE_DEPTH_HEADER = "x-queue-depth"
+CLIENT_GONE = 499
+DEFAULT_MAX_BODY_BYTES: int = InferenceConfig.model_fields["max_body_bytes"].default
+OFF_LOOP_BYTES = 256 * 2**10
+"""Bodies above this are parsed on a worker thread (below it, parsing takes well under a millisecond)."""
+
+M = TypeVar("M", bound=BaseModel)
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class HTTPError(Exception):
+    """A request refused with `status`; the message says what to change."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> Response:
+        return JSONResponse(error_body(self.status, self.message, self.kind, self.param), status_code=self.status)
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """The one error body of every route (OpenAI's shape, plus the status as `code`)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def describe(error: ValidationError) -> str:
+    """A validation error as `field: problem; ...` (the first few)."""
+    parts = []
+    for item in error.errors(include_url=False)[:6]:
+        where = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "json_invalid":
+            parts.append(f"invalid JSON: {item['msg']}")
+        elif item["type"] == "extra_forbidden":
+            parts.append(f"unknown field `{where}`")
+        else:
+            parts.append(f"{where or 'body'}: {item['msg']}")
+    return "; ".join(parts)
+
+
+async def answer(request: Request, handling: Awaitable[Response]) -> Response:
+    """Await a handler's response; its refusals become error responses, and nothing escapes to the ASGI server
+    (which would log a second traceback)."""
+    try:
+        return await handling
+    except HTTPError as error:
+        return error.response()
+    except ClientDisconnect:
+        logger.info("%s %s: the client disconnected before sending its whole body", request.method, request.url.path)
+        return Response(status_code=CLIENT_GONE)
+    except Exception as error:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"{type(error).__name__}: {error}", "server_error"), status_code=500)
+
+
+def endpoint(handler: Endpoint) -> Endpoint:
+    """A Starlette endpoint that answers through `answer`."""
+
+    async def run(request: Request) -> Response:
+        return await answer(request, handler(request))
+
+    return run
+
+
+def _too_large(max_bytes: int) -> HTTPError:
+    return HTTPError(
+        413,
+        f"the request body is larger than this server's limit of {max_bytes} bytes (`max_body_bytes`)",
+        param="body",
+    )
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to exceed `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse(request: Request, model: type[M], max_bytes: int) -> M:
+    """The body validated strictly as `model` (400 naming the field), off the event loop when it is large."""
+    body = await read_body(request, max_bytes)
+    try:
+        if len(body) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(model.model_validate_json, body)
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise HTTPError(400, describe(error)) from None
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def sse(data: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event."""
+    text = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {text}\n\n"
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so only a disconnect can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def check_model(name: str | None, served: str) -> None:
+    """404 unless a request that names a model names the served one."""
+    if name is not None and name != served:
+        raise HTTPError(404, f"model `{name}` is not served here; this server serves `{served}`", "not_found_error", "model")
+
+
+def _origin_is_this_server(origin: str, server: tuple[str, int] | None) -> bool:
+    """Whether a browser's `Origin` names the address this connection arrived at (its loopback names included)."""
+    if server is None:
+        return False
+    try:
+        parts = urlsplit(origin)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return False
+    host, own_port = server
+    if parts.hostname is None or port != own_port:
+        return False
+    return parts.hostname == host or (is_loopback(host) and is_loopback(parts.hostname))
+
+
+class AdminGuard:
+    """Who may call an admin route (`/update_weights`, `/pause`, `/resume`, `/weights/broadcast/join`)."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def check(self, request: Request) -> None:
+        if self.token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                raise HTTPError(401, "admin routes need `Authorization: Bearer <admin token>`", "authentication_error")
+        origin = request.headers.get("origin")
+        if origin is not None and not _origin_is_this_server(origin, request.scope.get("server")):
+            raise HTTPError(
+                403, f"admin routes refuse requests from other sites (Origin `{origin}`)", "permission_error"
+            )
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        has_body = media or request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+        if has_body and media != "application/json":
+            raise HTTPError(415, "admin routes take JSON: send `Content-Type: application/json` (or no body)")
+
+    def __call__(self, handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        """`handler`, called only once the request passes `check`."""
+
+        async def guarded(request: Request, *args: Any) -> Response:
+            self.check(request)
+            return await handler(request, *args)
+
+        return guarded
+
+
+class QueueDepthHeader:
+    """Adds `x-queue-depth` (requests waiting in the engine) to every response; the eval client's concurrency
+    control reads it."""
+
+    def __init__(self, app: ASGIApp, depth: Callable[[], int]) -> None:
+        self.app, self.depth = app, depth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                value = str(self.depth()).encode()
+                message["headers"] = [*message.get("headers", []), (QUEUE_DEPTH_HEADER.encode(), value)]
+            await send(message)
+
+        await self.app(scope, receive, with_header)
