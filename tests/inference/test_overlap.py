@@ -174,3 +174,27 @@ def test_cancel_pause_and_stop_keep_the_tokens_of_the_step_in_flight(model_dir):
         for _ in range(20):
             engine._step() if engine._requests else None
     assert collector.finished and [len(s.token_ids) for s in collector.samples] == [4, 4, 4]
+
+
+def test_penalised_and_biased_rows_give_what_reading_every_token_gives(make_engine):
+    """Penalties need the last token on the host, so their rows never overlap; a logit bias alone does not change
+    from step to step, so biased rows still do. Either way the outputs equal those of plain steps."""
+    overlapped, plain = _engine(make_engine), _engine(make_engine, overlap_steps=False)
+    prompts = _prompts(4, plain.vocab_size, seed=14)
+    penalised = SamplingParams(
+        temperature=0, frequency_penalty=1.0, presence_penalty=0.5, max_tokens=14, ignore_eos=True
+    )
+    biased = SamplingParams(temperature=0.9, logit_bias={7: 3.0, 9: -100}, seed=6, max_tokens=12, ignore_eos=True)
+    jobs = [
+        (prompts[0], penalised, 1),
+        (prompts[1], SamplingParams(temperature=1.0, presence_penalty=1.2, seed=5, max_tokens=12, ignore_eos=True), 2),
+        (prompts[2], biased, 1),
+        (prompts[3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 1),
+    ]
+    _assert_same(_serve(overlapped, jobs), _serve(plain, jobs))
+    before = overlapped.stats().overlapped_steps
+    _assert_same(_serve(overlapped, [jobs[2]]), _serve(plain, [jobs[2]]))
+    assert overlapped.stats().overlapped_steps > before, "biased rows alone overlap"
+    before = overlapped.stats().overlapped_steps
+    _assert_same(_serve(overlapped, [jobs[0]]), _serve(plain, [jobs[0]]))
+    assert overlapped.stats().overlapped_steps == before, "penalised rows never overlap"
