@@ -198,11 +198,14 @@ def test_a_corrupt_eval_trace_is_skipped_and_a_repeated_one_counted_once(client,
 
 
 def test_a_corrupt_summary_json_falls_back_to_the_traces(client, outputs):
-    for text in ("{not json", '{"sources": [1, 2]}', "[]", '{"sources": {"a": {"mean_reward": NaN}}}'):
+    for text in ("{not json", '{"sources": [1, 2]}', "[]", '{"sources": {"a": null}}', "[" * 100_000):
         (outputs / "evals" / "summary.json").write_text(text)
         response = client.get("/api/evals/evals/summary")
         assert response.status_code == 200, (text, response.text)
-        strict_json(response.text)
+        assert response.json()["final"] is False and response.json()["sources"]["a"]["rollouts"] == 4
+    (outputs / "evals" / "summary.json").write_text('{"sources": {"a": {"mean_reward": NaN, "rollouts": 9}}}')
+    response = client.get("/api/evals/evals/summary")
+    assert strict_json(response.text) == {"final": True, "sources": {"a": {"mean_reward": None, "rollouts": 9}}}
 
 
 def test_symlinked_runs_and_files_pointing_outside_are_not_served(client, outputs, tmp_path_factory):

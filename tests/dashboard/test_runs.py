@@ -159,6 +159,10 @@ def test_a_live_inference_server_is_running_not_failed(tmp_path):
 
 def test_a_run_with_unreadable_or_corrupt_files_is_listed_with_what_can_be_read(outputs, monkeypatch):
     (outputs / "sft-old" / "sft.toml").write_bytes(b"\xff\xfe not utf-8 \x00")
+    (outputs / "nested").mkdir()
+    (outputs / "nested" / "rl.toml").write_text("max_steps = " + "[" * 100_000)
+    (outputs / "huge").mkdir()
+    (outputs / "huge" / "rl.toml").write_text("max_steps = 1\n" + "# padding\n" * 200_000)
     (outputs / "evals" / "traces.jsonl").open("a").write('{"source": "a", "reward": "high"}\n{"broken\n')
     runs = Outputs(outputs)
     original = tandem.jsonl.JsonlFollower.new_records
@@ -170,7 +174,8 @@ def test_a_run_with_unreadable_or_corrupt_files_is_listed_with_what_can_be_read(
 
     monkeypatch.setattr(tandem.jsonl.JsonlFollower, "new_records", unreadable)
     rows = {row["name"]: row for row in list_runs(runs)}
-    assert set(rows) == {"rl-run", "sft-old", "evals"}
+    assert set(rows) == {"rl-run", "sft-old", "evals", "nested", "huge"}
+    assert rows["nested"]["status"] == rows["huge"]["status"] == "failed"
     assert rows["rl-run"]["steps"] == 5 and rows["rl-run"]["last_reward"] is None
     assert rows["rl-run"]["problems"] == ["orchestrator_metrics.jsonl: Permission denied"]
     assert rows["sft-old"]["status"] == "failed"

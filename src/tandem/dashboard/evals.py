@@ -101,7 +101,8 @@ def written_summary(run: Run) -> dict[str, Any] | None:
         sources = json.loads(path.read_text())["sources"] if path else None
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
-    return sources if isinstance(sources, dict) else None
+    valid = isinstance(sources, dict) and all(isinstance(summary, dict) for summary in sources.values())
+    return sources if valid else None
 
 
 def eval_summary(outputs: Outputs, run: Run) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from tandem.jsonl import JsonlFollower
 RUNNING_WINDOW_S = 60.0
 KINDS = ("rl", "sft", "eval", "trainer", "orchestrator", "inference")
 DATA_FILES = ("metrics.jsonl", "orchestrator_metrics.jsonl", "traces.jsonl", "inference_metrics.jsonl")
+MAX_CONFIG_BYTES = 1 << 20
+"""A run's TOML larger than this is not parsed (tandem writes a few KiB): its status cannot use `max_steps`."""
 STORED_POINTS = 4096
 """Records kept per metrics series (an even number): the most a chart can ask for."""
 
@@ -180,10 +182,13 @@ def run_kind(path: Path) -> str | None:
 
 
 def max_steps(run: Run) -> int | None:
+    """`max_steps` (or `trainer.max_steps`) of the run's TOML; None if it has none or is not a readable config."""
     file = run.file(f"{run.kind}.toml")
     try:
-        config = tomllib.loads(file.read_text()) if file else {}
-    except (OSError, ValueError):  # unreadable, not UTF-8, not TOML
+        if file is None or file.stat().st_size > MAX_CONFIG_BYTES:
+            return None
+        config = tomllib.loads(file.read_text())
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not TOML, nested past the stack
         return None
     trainer = config.get("trainer")
     value = config.get("max_steps", trainer.get("max_steps") if isinstance(trainer, dict) else None)
