@@ -101,3 +101,33 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     assert scheduler.allocator.num_used == 3 + 2
     scheduler.abort(request)
     assert scheduler.allocator.num_used == 0 and not scheduler.running
+
+
+def test_after_a_failed_step_requests_run_alone_one_at_a_time():
+    """`requeue_running` sends every running sequence back, keeping its recorded tokens (a place held for a token
+    in flight is dropped) and freeing its blocks; then only the probe is scheduled, until each of its sequences
+    has sampled, and the next probe runs alone; once probation ends everyone is scheduled again."""
+    allocator = BlockAllocator(40)
+    scheduler = Scheduler(allocator, BLOCK, max_running=8, max_prefill_tokens=100)
+    requests = [_request(5, name="a"), _request(6, name="b"), _request(3, n=2, name="c")]
+    for request in requests:
+        scheduler.add(request, None)
+    _run(scheduler, scheduler.schedule())
+    scheduler.fork(scheduler.running[2], None)  # as the engine does once c's prompt is cached
+    first_a = scheduler.running[0]
+    first_a.record.token_ids.append(0)  # one token recorded; the next one is still in flight
+    first_a.tokens.append(0)
+    assert scheduler.requeue_running() == requests
+    assert [seq.request.id for seq in scheduler.waiting] == ["a", "b", "c", "c"]
+    assert allocator.num_used == 0 and not scheduler.running
+    assert first_a.tokens == [*first_a.request.prompt, 0] and first_a.num_cached == 0
+    scheduler.probation.extend(requests)
+    for name in "abc":
+        plan = scheduler.schedule()
+        assert {seq.request.id for seq, _ in plan.prefill} | {seq.request.id for seq in plan.decode} == {name}
+        assert {seq.request.id for seq in scheduler.running} == {name}
+        _run(scheduler, plan)
+        scheduler.passed([seq for seq, _ in plan.prefill] + plan.decode)
+    assert not scheduler.probation and [seq.request.id for seq in scheduler.running] == ["c", "c"]
+    plan = scheduler.schedule()
+    assert sorted(seq.request.id for seq, _ in plan.prefill) == ["a", "b"] and len(plan.decode) == 2
