@@ -1,0 +1,180 @@
+"""Training checkpoints are verified against their manifest (sizes, CRC-32) before a resume, a damaged newest one
+falls back to the newest intact one (logged, naming the file), and an interrupted save or clean-up leaves no
+partial `step-<N>` behind and nothing at all after the next start."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.trainer import ckpt
+from tandem.trainer.ckpt import (
+    MANIFEST,
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    resume_step,
+    save_checkpoint,
+    verify_checkpoint,
+)
+
+
+def _trainer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return model, optimizer, scheduler
+
+
+def _train_step(model, optimizer, scheduler) -> None:
+    loss = model(torch.randn(8, 16)).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    """Checkpoints of steps 1, 2 and 3 (keep = 3) of a small model."""
+    model, optimizer, scheduler = _trainer()
+    for step in (1, 2, 3):
+        _train_step(model, optimizer, scheduler)
+        save_checkpoint(tmp_path / "checkpoints", step, model, optimizer, scheduler, {"step": step}, keep=3)
+    return tmp_path / "checkpoints"
+
+
+def _flip_byte(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset % len(data)] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_checksum(root):
+    newest = root / "step-000003"
+    manifest = json.loads((newest / MANIFEST).read_text())["files"]
+    assert sorted(manifest) == sorted(p.name for p in newest.iterdir() if p.name != MANIFEST)
+    for name, entry in manifest.items():
+        assert entry == {"bytes": (newest / name).stat().st_size, "crc32": ckpt.file_crc32(newest / name)}
+    verify_checkpoint(newest)
+
+
+DAMAGE = {
+    "a flipped byte in the weights": ("model-00000-of-00001.safetensors", lambda f: _flip_byte(f, -7), "CRC-32"),
+    "a flipped byte in the optimizer": ("optimizer-00000-of-00001.safetensors", lambda f: _flip_byte(f, -3), "CRC-32"),
+    "a flipped byte in state.json": ("state.json", lambda f: _flip_byte(f, 40), "CRC-32"),
+    "a truncated file": ("model-00000-of-00001.safetensors", lambda f: f.write_bytes(f.read_bytes()[:-9]), "bytes"),
+    "a missing file": ("optimizer-00000-of-00001.safetensors", Path.unlink, "missing"),
+    "a corrupt manifest": (MANIFEST, lambda f: f.write_text('{"files": {'), "manifest"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(case, root, caplog):
+    name, damage, problem = DAMAGE[case]
+    file = root / "step-000003" / name
+    damage(file)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(file))}.*{problem}|{problem}.*{re.escape(str(file))}"):
+        verify_checkpoint(root / "step-000003")
+    with pytest.raises(CheckpointError, match=re.escape(str(file))):
+        resolve_resume(root, 3)  # asked for by step: no fallback
+    with caplog.at_level(logging.WARNING, logger="tandem.trainer.ckpt"):
+        assert resolve_resume(root, None) == (2, root / "step-000002")
+    assert str(file) in caplog.text and "resuming from step 2" in caplog.text
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_each(root):
+    for step in (1, 2, 3):
+        _flip_byte(root / f"step-{step:06d}" / "model-00000-of-00001.safetensors", -5)
+    with pytest.raises(CheckpointError, match=r"every checkpoint .* is damaged") as error:
+        resolve_resume(root, None)
+    assert all(f"step-{step:06d}/model-00000-of-00001.safetensors" in str(error.value) for step in (1, 2, 3))
+
+
+def test_the_fallback_restores_that_checkpoint_exactly(root, tmp_path):
+    """Resuming after the newest is damaged continues exactly as from step 2 itself."""
+    reference = tmp_path / "reference"
+    shutil.copytree(root / "step-000002", reference)
+    _flip_byte(root / "step-000003" / "model-00000-of-00001.safetensors", -11)
+    config = SimpleNamespace(run_dir=root.parent, resume=SimpleNamespace(enabled=True, step=None))
+    resumed, expected = _trainer(seed=1), _trainer(seed=2)
+    assert resume_step(config, *resumed) == 2
+    _train_step(*resumed)  # the RNG state is restored too, so the next batch is the same
+    load_checkpoint(reference, *expected)
+    _train_step(*expected)
+    for (name, got), (_, want) in zip(resumed[0].state_dict().items(), expected[0].state_dict().items(), strict=True):
+        assert torch.equal(got, want), name
+    assert resumed[2].state_dict() == expected[2].state_dict()
+
+
+def test_an_interrupted_clean_up_leaves_no_partial_checkpoint(root, monkeypatch):
+    """Pruning renames a checkpoint to a hidden trash name before deleting it: a kill mid-deletion leaves trash
+    that no listing sees and the next start removes, never a `step-<N>` with some of its files."""
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        if not (Path(path) / "state.json").exists():  # not a checkpoint (the save's fresh temporary directory)
+            return real_rmtree(path, ignore_errors=ignore_errors)
+        next(Path(path).glob("optimizer-*")).unlink()  # part of the checkpoint is gone...
+        raise KeyboardInterrupt  # ...when the process is killed
+
+    model, optimizer, scheduler = _trainer()
+    _train_step(model, optimizer, scheduler)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 4, model, optimizer, scheduler, {}, keep=3)  # prunes step 1
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert sorted(list_checkpoints(root)) == [2, 3, 4]
+    leftovers = [p for p in root.iterdir() if p.name.startswith(".")]
+    assert len(leftovers) == 1 and "step-000001" in leftovers[0].name
+    (root / "step-000009.tmp").mkdir()  # and a save killed before its rename
+    (root / "step-000009.tmp" / "model-00000-of-00001.safetensors").write_bytes(b"half")
+    config = SimpleNamespace(run_dir=root.parent, resume=SimpleNamespace(enabled=False, step=None))
+    assert resume_step(config, model, optimizer, scheduler) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000003", "step-000004"]
+
+
+def test_a_checkpoint_without_a_manifest_still_loads(root, caplog):
+    """Checkpoints written before manifests resume (unverified, with a warning)."""
+    (root / "step-000003" / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING, logger="tandem.trainer.ckpt"):
+        assert resolve_resume(root, None) == (3, root / "step-000003")
+    assert "not verified" in caplog.text
+    assert load_checkpoint(root / "step-000003", *_trainer())["extra"] == {"step": 3}
+
+
+def test_unparsable_files_are_named_when_loading(root):
+    state = root / "step-000003" / "state.json"
+    state.write_text("{")
+    with pytest.raises(CheckpointError, match=re.escape(f"{state} is not valid JSON")):
+        load_checkpoint(root / "step-000003", *_trainer())
+    weights = root / "step-000002" / "model-00000-of-00001.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=re.escape(f"{weights} is not readable safetensors")):
+        load_checkpoint(root / "step-000002", *_trainer())
+
+
+def _verify_on_rank(rank: int, world: int, path: str, damaged: str) -> None:
+    with pytest.raises(CheckpointError, match=re.escape(f"{damaged} fails its CRC-32 checksum")):
+        verify_checkpoint(Path(path))
+
+
+def test_ranks_split_the_checksums_and_all_name_the_damaged_file(root):
+    """Under torch.distributed each rank checksums every W-th file; the one that finds the damage tells all."""
+    from dist_support import run_ranks
+
+    newest = root / "step-000003"
+    names = sorted(json.loads((newest / MANIFEST).read_text())["files"])
+    damaged = newest / names[-1]  # checked by rank (len(names) - 1) % 2 only
+    _flip_byte(damaged, 3)
+    run_ranks(2, _verify_on_rank, str(newest), str(damaged))
