@@ -178,3 +178,24 @@ def test_ranks_split_the_checksums_and_all_name_the_damaged_file(root):
     damaged = newest / names[-1]  # checked by rank (len(names) - 1) % 2 only
     _flip_byte(damaged, 3)
     run_ranks(2, _verify_on_rank, str(newest), str(damaged))
+
+
+def test_rl_resume_takes_the_newest_intact_checkpoint_and_drops_what_came_after(root, caplog):
+    """`tandem rl --resume` picks the trainer checkpoint in the launcher: a damaged step 3 means step 2, and the
+    batch and policy of step 3 go, so they are produced again."""
+    from tandem.launch import _resume_step
+    from tandem.transport.batches import batch_path
+    from tandem.transport.policies import policy_dir
+
+    run_dir = root.parent
+    for step in (2, 3):
+        batch_path(run_dir / "batches", step).parent.mkdir(exist_ok=True)
+        batch_path(run_dir / "batches", step).write_bytes(b"batch")
+        policy_dir(run_dir / "policies", step).mkdir(parents=True)
+    _flip_byte(root / "step-000003" / "state.json", 10)
+    config = SimpleNamespace(run_dir=run_dir, max_steps=5, resume=SimpleNamespace(enabled=True, step=None))
+    with caplog.at_level(logging.WARNING, logger="tandem.trainer.ckpt"):
+        assert _resume_step(config) == 2
+    assert "step-000003/state.json fails its CRC-32 checksum" in caplog.text
+    assert batch_path(run_dir / "batches", 2).exists() and not batch_path(run_dir / "batches", 3).exists()
+    assert policy_dir(run_dir / "policies", 2).exists() and not policy_dir(run_dir / "policies", 3).exists()
