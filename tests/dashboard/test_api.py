@@ -193,7 +193,7 @@ def test_a_corrupt_eval_trace_is_skipped_and_a_repeated_one_counted_once(client,
     (row,) = [r for r in client.get("/api/runs").json()["runs"] if r["name"] == "evals"]
     assert row["steps"] == 6
     assert row["problems"] == [
-        "traces.jsonl: 2 corrupt or incomplete lines skipped", "traces.jsonl: 1 repeated rollouts counted once"
+        "traces.jsonl: 2 incomplete trace records skipped", "traces.jsonl: 1 repeated rollouts counted once"
     ]  # fmt: skip
 
 

@@ -180,4 +180,6 @@ def test_a_run_with_unreadable_or_corrupt_files_is_listed_with_what_can_be_read(
     assert rows["rl-run"]["problems"] == ["orchestrator_metrics.jsonl: Permission denied"]
     assert rows["sft-old"]["status"] == "failed"
     assert rows["evals"]["steps"] == 6
-    assert rows["evals"]["problems"] == ["traces.jsonl: 2 corrupt or incomplete lines skipped"]
+    assert rows["evals"]["problems"] == [
+        "traces.jsonl: 1 corrupt lines skipped", "traces.jsonl: 1 incomplete trace records skipped"
+    ]  # fmt: skip

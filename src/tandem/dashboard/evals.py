@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import Any
 
-from tandem.dashboard.runs import Outputs, Run
+from tandem.dashboard.runs import FollowedFile, Outputs, Run
 from tandem.eval.summary import summarize_source
 from tandem.eval.traces import is_trace
-from tandem.jsonl import JsonlFollower
 
 
 def summary_fields(record: dict[str, Any]) -> dict[str, Any]:
@@ -24,34 +22,26 @@ def summary_fields(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class EvalTraces:
-    """An eval's `traces.jsonl`, followed as it grows, keeping of each rollout only the numbers its summary needs
+class EvalTraces(FollowedFile):
+    """An eval's `traces.jsonl`, keeping of each rollout only the numbers its summary needs
     (never its prompt or completion), so memory grows with the rollouts, not with their text.
 
     As `tandem.eval.traces.read_traces` reads them: a record that is not a trace (`is_trace`) is skipped and
     counted, and a later record for a key already read is skipped (a rollout counts once).
     """
 
-    def __init__(self, path: Path):
-        self.path = path
-        self._follower = JsonlFollower(path)
-        self.error: str | None = None
-        self._reset()
-
     def _reset(self) -> None:
         self.by_source: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.keys: set[str] = set()
         self.rollouts = 0
         self.reward_sum = 0.0
-        self._unusable = 0
+        self.incomplete = 0
         self.duplicates = 0
 
     def notes(self) -> list[str]:
-        """What could not be read or counted: the file, corrupt or unusable lines, repeated rollouts."""
-        skipped = self._follower.report.corrupt + self._unusable
-        notes = [self.error] if self.error else []
-        if skipped:
-            notes.append(f"{self.path.name}: {skipped} corrupt or incomplete lines skipped")
+        notes = super().notes()
+        if self.incomplete:
+            notes.append(f"{self.path.name}: {self.incomplete} incomplete trace records skipped")
         if self.duplicates:
             notes.append(f"{self.path.name}: {self.duplicates} repeated rollouts counted once")
         return notes
@@ -60,22 +50,9 @@ class EvalTraces:
     def mean_reward(self) -> float | None:
         return self.reward_sum / self.rollouts if self.rollouts else None
 
-    def update(self) -> EvalTraces:
-        try:
-            records = self._follower.new_records()
-        except OSError as error:
-            self.error = f"{self.path.name}: {error.strerror or error}"
-            return self
-        self.error = None
-        if self._follower.restarted:
-            self._reset()
-        for record in records:
-            self._add(record)
-        return self
-
     def _add(self, record: dict[str, Any]) -> None:
         if not is_trace(record):
-            self._unusable += 1
+            self.incomplete += 1
         elif record["key"] in self.keys:
             self.duplicates += 1
         else:

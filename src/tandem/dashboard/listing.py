@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.dashboard.evals import EvalTraces
-from tandem.dashboard.runs import MetricsLog, Outputs, Run, is_number, mtime, run_status
+from tandem.dashboard.runs import FollowedFile, Outputs, Run, is_number, mtime, run_status
 
 
-def problems(followed: list[MetricsLog | EvalTraces | None]) -> list[str]:
+def problems(followed: list[FollowedFile | None]) -> list[str]:
     """What could not be read of a run's files."""
     return [note for item in followed if item is not None for note in item.notes()]
 
@@ -17,7 +17,7 @@ def describe(outputs: Outputs, run: Run) -> dict[str, Any]:
     """One row of the run list."""
     if run.kind == "eval":
         traces = outputs.followed(run, "traces.jsonl", EvalTraces)
-        followed: list[MetricsLog | EvalTraces | None] = [traces]
+        followed: list[FollowedFile | None] = [traces]
         steps = traces.rollouts if traces else 0
         last_reward = traces.mean_reward if traces else None
     else:

@@ -18,10 +18,9 @@ import math
 import threading
 import time
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from tandem.jsonl import JsonlFollower
 
@@ -32,8 +31,6 @@ MAX_CONFIG_BYTES = 1 << 20
 """A run's TOML larger than this is not parsed (tandem writes a few KiB): its status cannot use `max_steps`."""
 STORED_POINTS = 4096
 """Records kept per metrics series (an even number): the most a chart can ask for."""
-
-T = TypeVar("T")
 
 
 def is_number(value: Any) -> bool:
@@ -98,14 +95,9 @@ def staleness_mean(staleness: Any) -> float | None:
     return sum(lag * count for lag, count in pairs) / total if total > 0 else None
 
 
-class MetricsLog:
-    """One JSONL metrics file, followed as it grows: its per-step records and its online eval records
-    (`"kind": "eval"`), each a `Strided` sample.
-
-    Values that need every record are derived as records arrive, before sampling drops any: the trainer's
-    cumulative idle time (it logs `idle_s` per step), the inference servers' idle time per step (the orchestrator
-    logs `inference_idle_s` cumulatively), the mean staleness, and the heartbeat's `uptime_s`.
-    """
+class FollowedFile:
+    """A JSONL file followed as it grows into what a subclass keeps of its records (`_add`). A file that is
+    rewritten starts over (`_reset`); an unreadable one keeps what was read and says why (`error`)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -114,21 +106,12 @@ class MetricsLog:
         self._reset()
 
     def _reset(self) -> None:
-        self.steps = Strided()
-        self.evals = Strided()
-        self.max_step = 0
-        self._idle_total = 0.0
-        self._inference_idle: float | None = None
-        self._first_time: float | None = None
+        raise NotImplementedError
 
-    def notes(self) -> list[str]:
-        """What could not be read: the file itself, or lines that are not a JSON object."""
-        notes = [self.error] if self.error else []
-        if corrupt := self._follower.report.corrupt:
-            notes.append(f"{self.path.name}: {corrupt} corrupt lines skipped")
-        return notes
+    def _add(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
 
-    def update(self) -> MetricsLog:
+    def update(self) -> Self:
         try:
             records = self._follower.new_records()
         except OSError as error:
@@ -138,9 +121,40 @@ class MetricsLog:
         if self._follower.restarted:
             self._reset()
         for record in records:
-            self._derive(record)
-            (self.evals if record.get("kind") == "eval" else self.steps).add(record)
+            self._add(record)
         return self
+
+    def notes(self) -> list[str]:
+        """What could not be read: the file itself, or lines that are not a JSON object."""
+        notes = [self.error] if self.error else []
+        if corrupt := self._follower.report.corrupt:
+            notes.append(f"{self.path.name}: {corrupt} corrupt lines skipped")
+        return notes
+
+
+F = TypeVar("F", bound=FollowedFile)
+
+
+class MetricsLog(FollowedFile):
+    """A JSONL metrics file: its per-step records and its online eval records (`"kind": "eval"`), each a
+    `Strided` sample.
+
+    Values that need every record are derived as records arrive, before sampling drops any: the trainer's
+    cumulative idle time (it logs `idle_s` per step), the inference servers' idle time per step (the orchestrator
+    logs `inference_idle_s` cumulatively), the mean staleness, and the heartbeat's `uptime_s`.
+    """
+
+    def _reset(self) -> None:
+        self.steps = Strided()
+        self.evals = Strided()
+        self.max_step = 0
+        self._idle_total = 0.0
+        self._inference_idle: float | None = None
+        self._first_time: float | None = None
+
+    def _add(self, record: dict[str, Any]) -> None:
+        self._derive(record)
+        (self.evals if record.get("kind") == "eval" else self.steps).add(record)
 
     def _derive(self, record: dict[str, Any]) -> None:
         step = record.get("step")
@@ -224,7 +238,7 @@ class Outputs:
 
     def __init__(self, root: Path):
         self.root = root.resolve()
-        self._followed: dict[Path, Any] = {}
+        self._followed: dict[Path, FollowedFile] = {}
         self.lock = threading.RLock()
 
     def run(self, name: str) -> Run | None:
@@ -244,22 +258,20 @@ class Outputs:
             return []
         return [run for run in map(self.run, names) if run]
 
-    def _follow(self, path: Path | None, factory: Callable[[Path], T]) -> T | None:
-        """The follower of `path` (None if the file is missing or outside its run), brought up to date."""
+    def followed(self, run: Run, name: str, kind: type[F]) -> F | None:
+        """The `kind` follower of the run's file `name` (None if it is missing or outside the run), brought up to
+        date; one per file, kept between calls, so each call reads only what was appended since the last."""
+        path = run.file(name)
         if path is None or not path.is_file():
             return None
         with self.lock:
             follower = self._followed.get(path)
-            if not isinstance(follower, factory):  # type: ignore[arg-type]
-                follower = self._followed[path] = factory(path)
-            follower.update()  # type: ignore[attr-defined]
-            return follower
+            if not isinstance(follower, kind):
+                follower = self._followed[path] = kind(path)
+            return follower.update()
 
     def metrics(self, run: Run, name: str) -> MetricsLog | None:
-        return self._follow(run.file(name), MetricsLog)
-
-    def followed(self, run: Run, name: str, factory: Callable[[Path], T]) -> T | None:
-        return self._follow(run.file(name), factory)
+        return self.followed(run, name, MetricsLog)
 
     def forget_missing(self, runs: list[Run]) -> None:
         """Drop the followers of files no longer in a listed run, so a deleted run frees its memory."""
