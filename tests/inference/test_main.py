@@ -1,5 +1,5 @@
-"""`tandem inference` as a process: port 0 and server.json, SIGTERM, config mistakes, and `tandem eval --model`
-running against it end to end."""
+"""`tandem inference` as a process: port 0 and server.json, the serving summary, SIGTERM, config mistakes, and
+`tandem eval --model` running against it end to end."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import httpx
 import pytest
 
 from tandem.cli import main
+from tandem.jsonl import read_records
 
 
 def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, tmp_path):
     command = [
         sys.executable, "-m", "tandem", "inference", "--model", str(model_dir("qwen3")), "--model.dtype", "float32",
-        "--port", "0", "--seq-len", "128", "--output-dir", str(tmp_path), "--run-name", "srv",
+        "--port", "0", "--seq-len", "128", "--output-dir", str(tmp_path), "--run-name", "srv", "--log-interval-s", "0.2",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -34,6 +35,10 @@ def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, t
         # on a GPU the first request captures the decode graphs and autotunes the kernels: seconds, not httpx's 5
         reply = httpx.post(f"{info['url']}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=120)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
+        metrics = tmp_path / "srv" / "inference_metrics.jsonl"
+        while len(records := read_records(metrics)) < 2 or sum(r["requests"] for r in records) < 1:
+            assert process.poll() is None and time.monotonic() < deadline + 120, "no serving summary"
+            time.sleep(0.1)
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=30)
     finally:
@@ -41,7 +46,8 @@ def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, t
             process.kill()
     assert process.returncode == 0, err
     assert f"tandem inference listening on {info['url']}" in out
-    assert (tmp_path / "srv" / "logs" / "inference.log").is_file()
+    log = (tmp_path / "srv" / "logs" / "inference.log").read_text()
+    assert "serving: " in log and "tokens/s" in log
 
 
 @pytest.mark.parametrize(

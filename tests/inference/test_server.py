@@ -110,7 +110,7 @@ BAD_REQUESTS = [
     ("/generate", {"prompt_token_ids": [3], "sampling": {"top_logprobs": 99}}, 400, "max_logprobs"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": SEQ_LEN}, 400, "does not fit"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "unknown field `presence_penalty`"),
+    ("/v1/completions", {"prompt": "hi", "presense_penalty": 0.5}, 400, "unknown field `presense_penalty`"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "nope"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
