@@ -138,7 +138,7 @@ class GenerateRequest(RequestModel):
         return [ids] if isinstance(ids[0], int) else ids  # type: ignore[list-item]
 
     @model_validator(mode="after")
-    def _no_empty_prompt(self) -> GenerateRequest:
+    def _prompts_and_samples(self) -> GenerateRequest:
         if any(not prompt for prompt in self.prompts):
             raise ValueError("prompt_token_ids: a prompt has no tokens")
         check_sample_count(len(self.prompts), self.n)
