@@ -6,10 +6,11 @@ the engine's (docs/inference.md#sampling); token strings are each token decoded 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from tandem.inference.outputs import TopLogprobs
+from tandem.inference.outputs import PromptLogprobs, SampleRecord, SampleUpdate, TopLogprobs
 from tandem.inference.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -21,20 +22,24 @@ from tandem.inference.protocol import (
     Usage,
 )
 
+Sample = TypeVar("Sample", SampleRecord, SampleUpdate)
+
 
 class RequestError(ValueError):
     """A request that is well-formed but cannot be served as asked (HTTP 400)."""
 
 
+def completion_prompt_inputs(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts as the request gave them (a string or token ids each)."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
 def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[list[int]]:
     """Token ids of each prompt: strings are tokenized (with the tokenizer's special tokens), ids pass through."""
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompts: Sequence[str | list[int]] = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]  # type: ignore[list-item]
-    else:
-        prompts = prompt  # type: ignore[assignment]
+    prompts = completion_prompt_inputs(body)
     if not prompts:
         raise RequestError("prompt: no prompt given")
     ids = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
@@ -44,7 +49,60 @@ def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[list[int
 
 
 def completion_sampling(body: CompletionRequest) -> SamplingParams:
-    return body.sampling(body.max_tokens, body.logprobs or 0)
+    """The engine's parameters. An echo with logprobs scores the prompt too (its top-N as the completion's); with
+    max_tokens 0 the engine samples one token that `shown` then hides, as vLLM does."""
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    prompt_logprobs = body.logprobs if body.echo else None
+    return body.sampling(max_tokens, body.logprobs or 0).model_copy(update={"prompt_logprobs": prompt_logprobs})
+
+
+def shown(sample: Sample, body: CompletionRequest) -> Sample:
+    """What a completion choice shows of a sample: all of it, or with max_tokens 0 (an echo that only scores the
+    prompt) nothing of the token sampled for it; it then finished by "length" (unless aborted), as vLLM says."""
+    if body.max_tokens != 0:
+        return sample
+    finish = sample.finish_reason if sample.finish_reason in (None, "abort") else "length"
+    return dataclasses.replace(
+        sample,
+        token_ids=[],
+        logprobs=[],
+        masks=[],
+        versions=[],
+        top_logprobs=[],
+        text="",
+        finish_reason=finish,
+        stop_reason=None,
+    )
+
+
+def echo_texts(body: CompletionRequest, prompts: list[list[int]], tokenizer: Any) -> list[str]:
+    """The prompts an echo shows: each text as given, token-id prompts decoded (`prompts`: their ids)."""
+    given = completion_prompt_inputs(body)
+    return [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(given, prompts, strict=True)]
+
+
+def echo_logprobs(
+    tokenizer: Any, ids: list[int], scores: PromptLogprobs | None, top_n: int
+) -> CompletionLogprobs | None:
+    """The engine's prompt logprobs in the legacy format (the first token's null), at text offset 0."""
+    if scores is None:
+        return None
+    return completion_logprobs(tokenizer, ids, scores.logprobs, scores.top, top_n, 0)
+
+
+def joined(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """An echoed prompt's logprobs followed by the completion's (whose text offsets already count the prompt)."""
+    if first is None or second is None:
+        return first or second
+    tops = None
+    if first.top_logprobs is not None and second.top_logprobs is not None:
+        tops = first.top_logprobs + second.top_logprobs
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=tops,
+        text_offset=first.text_offset + second.text_offset,
+    )
 
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
@@ -75,12 +133,13 @@ def usage(prompt_lengths: Sequence[int], completion_lengths: Sequence[int]) -> U
 def completion_logprobs(
     tokenizer: Any,
     token_ids: list[int],
-    logprobs: list[float],
-    top: list[TopLogprobs],
+    logprobs: Sequence[float | None],
+    top: Sequence[TopLogprobs | None],
     top_n: int,
     offset: int,
 ) -> CompletionLogprobs:
-    """The legacy completions format; `offset` is the text length before these tokens."""
+    """The legacy completions format; `offset` is the text length before these tokens. None (an echoed prompt's
+    first token, which nothing predicts) stays None."""
     tokens = [tokenizer.decode([t]) for t in token_ids]
     offsets = []
     for token in tokens:
@@ -88,8 +147,10 @@ def completion_logprobs(
         offset += len(token)
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=logprobs,
-        top_logprobs=[{tokenizer.decode([i]): lp for i, lp in pairs} for pairs in top] if top_n else None,
+        token_logprobs=list(logprobs),
+        top_logprobs=[None if pairs is None else {tokenizer.decode([i]): lp for i, lp in pairs} for pairs in top]
+        if top_n
+        else None,
         text_offset=offsets,
     )
 

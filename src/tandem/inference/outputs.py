@@ -57,6 +57,30 @@ class SampleRecord:
         )
 
 
+@dataclass
+class PromptLogprobs:
+    """A request's prompt scored under the model (temperature 1, nothing truncated), filled as it is prefilled.
+
+    `logprobs[i]` is prompt token i's logprob given tokens 0..i-1 (None for token 0: nothing predicts it);
+    `top[i]` its top-N alternatives there, when asked for (None at 0). Shared by the request's n samples.
+    """
+
+    length: int
+    """Prompt tokens."""
+    top_n: int
+    logprobs: list[float | None] = field(default_factory=lambda: [None])
+    top: list[TopLogprobs | None] = field(default_factory=lambda: [None])
+
+    @property
+    def filled(self) -> int:
+        """Prompt positions scored so far (position 0 counts: it has nothing to score)."""
+        return len(self.logprobs)
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.length
+
+
 @dataclass(frozen=True)
 class SampleUpdate:
     """What one sample added since the last update (for non-streaming requests: all of it, once, at the end)."""
@@ -84,3 +108,5 @@ class RequestUpdate:
     """Set when the engine failed this request (finish_reason is then "abort")."""
     first_token_s: float | None = None
     """On the last update: seconds from submission to the first sampled token (None if there was none)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Once, on the first update after the whole prompt was scored, when the request asked for it."""

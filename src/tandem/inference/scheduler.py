@@ -167,9 +167,9 @@ class Scheduler:
             grows = seq.num_cached + take > len(seq.blocks) * block_size
             if take and grows and not self._grow(seq, seq.num_cached + take):
                 continue  # `seq` itself was preempted; the same index now holds the next one
-            if pending == 1:
+            if pending == 1 and not seq.request.unforked:
                 plan.decode.append(seq)
-            elif take:
+            elif take:  # a prompt chunk; its last token too while samples wait to fork (prefill forks them)
                 plan.prefill.append((seq, take))
                 budget -= take
             index += 1

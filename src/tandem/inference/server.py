@@ -45,7 +45,7 @@ from tandem.inference.http import (
     parse,
     sse,
 )
-from tandem.inference.outputs import RequestUpdate, SampleUpdate
+from tandem.inference.outputs import RequestUpdate, SampleRecord, SampleUpdate
 from tandem.inference.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -284,6 +284,8 @@ class InferenceServer:
             PromptOutput(
                 prompt_token_count=len(prompt),
                 samples=[s.to_output(with_masks=params.truncates, with_top=params.top_logprobs > 0) for s in c.samples],
+                prompt_logprobs=c.prompt_logprobs.logprobs if c.prompt_logprobs else None,
+                prompt_top_logprobs=c.prompt_logprobs.top if c.prompt_logprobs and params.prompt_logprobs else None,
             )
             for prompt, c in zip(batch.prompts, batch.collectors, strict=True)
         ]
@@ -302,13 +304,34 @@ class InferenceServer:
             raise HTTPError(400, describe(error)) from None
         except openai_api.RequestError as error:
             raise HTTPError(400, str(error)) from None
+        echoed: list[str] = []  # decoding a long prompt takes a while: off the loop, as tokenizing it was
+        if body.echo:
+            echoed = await asyncio.to_thread(openai_api.echo_texts, body, prompts, self.tokenizer)
         batch = Batch(self.engine, prompts, params, body.n, stream=body.stream, text=True)
         response_id, want_logprobs = f"cmpl-{uuid.uuid4().hex}", body.logprobs is not None
 
-        def logprobs(token_ids: list[int], lps: list[float], top: list, offset: int) -> Any:
-            if not want_logprobs:
-                return None
-            return openai_api.completion_logprobs(self.tokenizer, token_ids, lps, top, body.logprobs or 0, offset)
+        def choice(number: int, sample: SampleRecord | SampleUpdate, offset: int, *, first: bool) -> CompletionChoice:
+            """Choice `number` showing `sample` (after `offset` characters of the choice's own text); with echo, the
+            prompt comes before it: its text and scored tokens in the first chunk, its length in every offset."""
+            prompt, top_n = number // body.n, body.logprobs or 0
+            before = len(echoed[prompt]) if body.echo else 0
+            lp, text = None, sample.text
+            if want_logprobs:
+                tokens, lps, top = sample.token_ids, sample.logprobs, sample.top_logprobs
+                lp = openai_api.completion_logprobs(self.tokenizer, tokens, lps, top, top_n, before + offset)
+            if body.echo and first:
+                text = echoed[prompt] + text
+                if want_logprobs:
+                    scores = batch.collectors[prompt].prompt_logprobs
+                    lp = openai_api.joined(openai_api.echo_logprobs(self.tokenizer, prompts[prompt], scores, top_n), lp)
+            return CompletionChoice(
+                index=number,
+                text=text,
+                logprobs=lp,
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+                token_ids=sample.token_ids if body.return_token_ids else None,
+            )
 
         def response(choices: list[CompletionChoice], usage: Any = None) -> CompletionResponse:
             return CompletionResponse(
@@ -316,32 +339,19 @@ class InferenceServer:
             )
 
         def usage() -> Any:
-            completions = [len(s.token_ids) for c in batch.collectors for s in c.samples]
+            completions = [len(openai_api.shown(s, body).token_ids) for c in batch.collectors for s in c.samples]
             return openai_api.usage([len(p) for p in prompts], completions)
 
         if body.stream:
             text_length: dict[int, int] = {}
 
             def render(index: int, sample: SampleUpdate) -> BaseModel | None:
-                choice = index * body.n + sample.sample
-                offset = text_length.get(choice, 0)
-                text_length[choice] = offset + len(sample.text)
-                if not (sample.text or sample.finish_reason or want_logprobs):
+                sample, number = openai_api.shown(sample, body), index * body.n + sample.sample
+                first, offset = number not in text_length, text_length.get(number, 0)
+                text_length[number] = offset + len(sample.text)
+                if not (sample.text or sample.finish_reason or want_logprobs or (first and body.echo)):
                     return None
-                token_ids = sample.token_ids if body.return_token_ids else None
-                lp = logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs, offset)
-                return response(
-                    [
-                        CompletionChoice(
-                            index=choice,
-                            text=sample.text,
-                            logprobs=lp,
-                            finish_reason=sample.finish_reason,
-                            stop_reason=sample.stop_reason,
-                            token_ids=token_ids,
-                        )
-                    ]
-                )
+                return response([choice(number, sample, offset, first=first)])
 
             with_usage = body.stream_options is not None and body.stream_options.include_usage
             tail = lambda: [response([], usage())] if with_usage else []  # noqa: E731
@@ -349,17 +359,12 @@ class InferenceServer:
         if not await batch.finish_unless_gone(request):
             return Response(status_code=CLIENT_GONE)
         choices = [
-            CompletionChoice(
-                index=index * body.n + s,
-                text=record.text,
-                logprobs=logprobs(record.token_ids, record.logprobs, record.top_logprobs, 0),
-                finish_reason=record.finish_reason or "abort",
-                stop_reason=record.stop_reason,
-                token_ids=record.token_ids if body.return_token_ids else None,
-            )
+            choice(index * body.n + s, openai_api.shown(record, body), 0, first=True)
             for index, collector in enumerate(batch.collectors)
             for s, record in enumerate(collector.samples)
         ]
+        for finished in choices:
+            finished.finish_reason = finished.finish_reason or "abort"
         return json_response(response(choices, usage()))
 
     async def chat_completions(self, request: Request) -> Response:

@@ -150,7 +150,10 @@ class CausalLM(nn.Module):
             raise ValueError("decode takes exactly one new token per sequence; use prefill for more")
         return self._cached(input_ids, cache, batch)
 
-    def _cached(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+    def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+        """Like `prefill`, but the final hidden states `[T, H]` of every new token: prompt logprobs score them all."""
         attn = AttnInputs(cache=cache, cache_batch=batch)
-        hidden = self.hidden_states(input_ids[None], batch.positions[None], attn)[0]
-        return self.compute_logits(hidden[batch.last_index])
+        return self.hidden_states(input_ids[None], batch.positions[None], attn)[0]
+
+    def _cached(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+        return self.compute_logits(self.cached_hidden_states(input_ids, cache, batch)[batch.last_index])

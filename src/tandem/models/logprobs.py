@@ -52,6 +52,40 @@ def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _LOGP_FLOOR = -1e4
 
 
+class _ChunkScores(NamedTuple):
+    logprobs: torch.Tensor  # [rows] the targets' logprobs
+    lse: torch.Tensor  # [rows] log-sum-exp of the (tempered, kept) logits
+    entropy: torch.Tensor | None  # [rows], when asked
+    top_logprobs: torch.Tensor | None  # [rows, top_n] most likely first, when top_n > 0
+    top_ids: torch.Tensor | None  # [rows, top_n]
+
+
+def _score_chunk(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool, top_n: int) -> _ChunkScores:
+    """One chunk's scores from its logits `z` (consumed in place). The top-N and the targets' logprobs are the
+    same fp32 numbers minus the same normaliser, so a target that is its row's argmax has exactly the top one."""
+    top = z.amax(dim=-1, keepdim=True)
+    z = z.sub_(top)
+    picked = z.gather(1, targets[:, None])
+    best = z.topk(top_n, dim=-1) if top_n else None
+    entropy = None
+    if with_entropy:
+        probs = z.exp()
+        total = probs.sum(dim=-1, keepdim=True)
+        logp = z.sub_(total.log()).clamp_min_(_LOGP_FLOOR)
+        entropy = -_dot_rows(probs.div_(total), logp)
+        del probs, logp
+    else:
+        total = z.exp_().sum(dim=-1, keepdim=True)
+    log_total = total.log()
+    return _ChunkScores(
+        logprobs=(picked - log_total).view(-1),
+        lse=(top + log_total).view(-1),
+        entropy=entropy,
+        top_logprobs=None if best is None else best.values - log_total,
+        top_ids=None if best is None else best.indices,
+    )
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Per chunk: one fp32 logits buffer, plus one for probabilities when entropy is involved. Saves `lse`."""
 
@@ -76,20 +110,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             e = min(s + chunk_size, rows)
             kept = kept_ids[s:e] if kept_ids is not None else None
             z = _chunk_logits(hidden[s:e], weight, temperature[s:e], kept)
-            top = z.amax(dim=-1, keepdim=True)
-            z = z.sub_(top)
-            picked = z.gather(1, safe_targets[s:e, None])
-            if with_entropy:
-                probs = z.exp()
-                total = probs.sum(dim=-1, keepdim=True)
-                logp = z.sub_(total.log()).clamp_min_(_LOGP_FLOOR)
-                entropy[s:e] = -_dot_rows(probs.div_(total), logp)
-                del probs, logp
-            else:
-                total = z.exp_().sum(dim=-1, keepdim=True)
+            scores = _score_chunk(z, safe_targets[s:e], with_entropy, 0)
             del z
-            logprobs[s:e] = (picked - total.log()).view(-1)
-            lse[s:e] = (top + total.log()).view(-1)
+            logprobs[s:e], lse[s:e] = scores.logprobs, scores.lse
+            if scores.entropy is not None:
+                entropy[s:e] = scores.entropy
         logprobs = logprobs.masked_fill_(~valid, 0.0)
         ctx.save_for_backward(hidden, weight, safe_targets, valid, temperature, kept_ids, entropy, lse)
         ctx.chunk_size = chunk_size
@@ -159,6 +184,42 @@ def token_logprobs(
         flat_hidden, weight, targets.reshape(-1), temps.contiguous(), kept, chunk_size, with_entropy
     )
     return TokenLogprobs(logprobs.view(shape), entropy.view(shape) if with_entropy else None)
+
+
+class ScoredTokens(NamedTuple):
+    logprobs: torch.Tensor  # [N] fp32: each target's logprob
+    top_logprobs: torch.Tensor  # [N, top_n] fp32, most likely first
+    top_ids: torch.Tensor  # [N, top_n] int64
+
+
+@torch.no_grad()
+def score_tokens(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    top_n: int,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> ScoredTokens:
+    """Inference scoring under the model's own distribution (temperature 1, nothing truncated), chunked.
+
+    hidden `[N, H]`, weight `[V, H]`, targets `[N]`: the logprobs `token_logprobs` gives (the same per-chunk
+    code), and each row's `top_n` most likely ids with their logprobs, from the same fp32 values.
+    """
+    rows = hidden.shape[0]
+    logprobs = hidden.new_empty(rows, dtype=torch.float32)
+    top_logprobs = hidden.new_empty(rows, top_n, dtype=torch.float32)
+    top_ids = torch.empty(rows, top_n, dtype=torch.long, device=hidden.device)
+    ones = torch.ones(min(rows, chunk_size), dtype=torch.float32, device=hidden.device)
+    for s in range(0, rows, chunk_size):
+        e = min(s + chunk_size, rows)
+        z = _chunk_logits(hidden[s:e], weight, ones[: e - s], None)
+        scores = _score_chunk(z, targets[s:e], False, top_n)
+        del z
+        logprobs[s:e] = scores.logprobs
+        if top_n:
+            top_logprobs[s:e], top_ids[s:e] = scores.top_logprobs, scores.top_ids
+    return ScoredTokens(logprobs, top_logprobs, top_ids)
 
 
 def cross_entropy(
