@@ -38,14 +38,9 @@ SUMMARY = "summary.json"
 
 
 def run_eval(config: EvalConfig) -> int:
-    if config.resume is not None:
-        config = resumed_config(config)
-    if not config.source:
-        raise ConfigError(
-            "nothing to evaluate: name an environment (`tandem eval gsm8k`), set --env.id, or add [[source]] blocks"
-        )
-    if config.base_url is None and not config.model.name:
-        raise ConfigError("no server to evaluate: give --model DIR (starts the built-in server) or --base-url URL")
+    """Check the config and sources, take the run directory's lock, run what is missing, summarise."""
+    config = resumed_config(config) if config.resume is not None else config
+    _check_runnable(config)
     sources = [load_source(source) for source in config.source]
     with run_lock(config.run_dir):
         if config.resume is None and (config.run_dir / TRACES).exists():
@@ -62,6 +57,16 @@ def run_eval(config: EvalConfig) -> int:
             logger.error("%s", error)
             return 1
         return _summarize(run_dir, sources, records)
+
+
+def _check_runnable(config: EvalConfig) -> None:
+    """Something to evaluate and a server to evaluate it on, before anything is created."""
+    if not config.source:
+        raise ConfigError(
+            "nothing to evaluate: name an environment (`tandem eval gsm8k`), set --env.id, or add [[source]] blocks"
+        )
+    if config.base_url is None and not config.model.name:
+        raise ConfigError("no server to evaluate: give --model DIR (starts the built-in server) or --base-url URL")
 
 
 @contextmanager
