@@ -13,10 +13,11 @@ from tandem.cli import COMMANDS, Command, main, run_command
 from tandem.config import load_file
 from tandem.config.schema import field_kind, kebab
 from tandem.config.sft import SftConfig
+from tandem.testing.progress import run_while_progressing
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=120)
+    return run_while_progressing([sys.executable, "-m", "tandem", *args])
 
 
 def leaf_flags(model, prefix=""):
@@ -89,6 +90,25 @@ def test_user_errors_exit_2_without_traceback(tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         assert "Traceback" not in result.stderr
         assert "error" in result.stderr or "unknown command" in result.stderr
+
+
+def test_unreadable_and_nonsensical_configs_exit_2_with_one_line(tmp_path):
+    (tmp_path / "dir.toml").mkdir()
+    (tmp_path / "latin1.toml").write_bytes('run_name = "caf\xe9"\n'.encode("latin-1"))
+    (tmp_path / "deep.toml").write_text("seed = " + "[" * 5000 + "]" * 5000)
+    (tmp_path / "inf.toml").write_text("[optim]\nlr = inf\n")
+    for args in (
+        ("sft", "@", str(tmp_path / "dir.toml")),
+        ("rl", "@", str(tmp_path / "latin1.toml")),
+        ("eval", "@", str(tmp_path / "deep.toml")),
+        ("sft", "@", str(tmp_path / "inf.toml")),
+        ("trainer", "--optim.lr", "-inf"),
+        ("inference", "--log-interval-s", "inf"),
+    ):
+        result = tandem(*args, "--dry-run")
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stdout == "" and result.stderr.count("\n") == 1, (args, result.stderr)
+        assert result.stderr.startswith(f"tandem {args[0]}: error: "), result.stderr
 
 
 def test_every_command_is_built_and_an_unbuilt_one_would_say_so(capsys):

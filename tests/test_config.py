@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from tandem.config.eval import EvalConfig
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.config.rl import RlConfig
+from tandem.config.schema import field_kind, kebab
 from tandem.config.sft import SftConfig
 from tandem.config.trainer import TrainerConfig
 
@@ -245,3 +247,77 @@ def test_one_flag_value_for_a_list_or_scalar_field_is_the_scalar():
 def test_vllm_with_the_weight_broadcast_is_refused_up_front():
     with pytest.raises(ConfigError, match="needs the built-in engine"):
         load_config(RlConfig, ["--inference.engine", "vllm", "--trainer.weights.transport", "broadcast"])
+
+
+def float_flags(model, prefix=""):
+    """Every float-valued leaf key of a config model, as a `--dotted.kebab` flag."""
+    for name, info in model.model_fields.items():
+        kind = field_kind(info.annotation)
+        flag = f"{prefix}{kebab(name)}"
+        if kind.model is not None:
+            yield from float_flags(kind.model, f"{flag}.")
+        elif takes_float(info.annotation) and not kind.is_list and not kind.is_mapping:
+            yield f"--{flag}"
+
+
+def takes_float(annotation) -> bool:
+    return annotation is float or any(takes_float(arg) for arg in typing.get_args(annotation))
+
+
+@pytest.mark.parametrize("config_class", ALL_CONFIGS, ids=lambda c: c.__name__)
+def test_nan_and_infinities_are_refused_by_every_float_key(tmp_path, config_class):
+    flags = list(float_flags(config_class))
+    assert flags or config_class is DashboardConfig
+    for flag in flags:
+        for value in ("nan", "inf", "-inf"):
+            with pytest.raises(ConfigError, match="finite number"):
+                load_config(config_class, [flag, value])
+    if flags:  # a TOML file's own nan/inf literals, too
+        dotted = flags[0][2:].split(".")
+        table = f"[{'.'.join(dotted[:-1])}]\n" if len(dotted) > 1 else ""
+        path = write(tmp_path, "inf.toml", f"{table}{dotted[-1]} = -inf\n")
+        with pytest.raises(ConfigError, match=r"inf\.toml:\d.*finite number"):
+            load_config(config_class, ["@", path])
+
+
+def test_nan_inside_a_list_or_tuple_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"`optim\.betas\.0`.*finite number"):
+        load_config(SftConfig, ["--optim.betas", "[nan, 0.95]"])
+    path = write(tmp_path, "betas.toml", "[optim]\nbetas = [0.9, inf]\n")
+    with pytest.raises(ConfigError, match=r"`optim\.betas\.1`.*betas\.toml.*finite number"):
+        load_config(SftConfig, ["@", path])
+
+
+def test_unreadable_config_files_are_config_errors(tmp_path, monkeypatch):
+    (tmp_path / "dir.toml").mkdir()
+    with pytest.raises(ConfigError, match=r"dir\.toml is a directory"):
+        load_config(SftConfig, ["@", str(tmp_path / "dir.toml")])
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('run_name = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.toml is not UTF-8 text \(invalid byte at offset 15\)"):
+        load_config(SftConfig, ["@", str(latin1)])
+    locked = write(tmp_path, "locked.toml", "seed = 1\n")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # chmod 000 does not stop root, who may run the tests
+    with pytest.raises(ConfigError, match=r"cannot read config file .*locked\.toml: Permission denied"):
+        load_config(SftConfig, ["@", locked])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "seed = " + "[" * 5000 + "]" * 5000,  # deeper than the parser's recursion can go
+        "seed = " + "{a = " * 40 + "1" + "}" * 40,  # parses, but deeper than any config
+        "[" + ".".join(["a"] * 200) + "]\n",  # nested by a header, with no recursion in the parser
+    ],
+    ids=["arrays", "inline-tables", "dotted-header"],
+)
+def test_deeply_nested_toml_is_a_config_error(tmp_path, text):
+    path = write(tmp_path, "deep.toml", text)
+    with pytest.raises(ConfigError, match=r"malformed TOML in .*deep\.toml: tables and arrays nest deeper than 32"):
+        load_config(SftConfig, ["@", path])
+    with pytest.raises(ConfigError, match=r"flag --optim\.betas: cannot parse .*characters.*nest deeper than 32"):
+        load_config(SftConfig, ["--optim.betas", "[" * 3000 + "]" * 3000])

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tandem.testing.progress import run_while_progressing
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "reverse_text"
 
 
-def run(command, timeout, env=None):
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+def run(command, watch, env=None):
+    """Run to the end while the command makes progress (its output, or files under `watch`, keep changing)."""
+    result = run_while_progressing(command, watch=[watch], env=env)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -28,10 +30,10 @@ def records(path):
 
 def test_rl_raises_the_reward_with_tiny_mismatch(tmp_path):
     data = tmp_path / "data"
-    run([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], 120)
+    run([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], data)
     tandem = [sys.executable, "-m", "tandem"]
     sft = ["--model.name", str(data / "model"), "--data.path", str(data / "train.jsonl"), "--output-dir", str(tmp_path)]
-    run([*tandem, "sft", "@", str(EXAMPLE / "sft.toml"), *sft, "--max-steps", "50"], 300)
+    run([*tandem, "sft", "@", str(EXAMPLE / "sft.toml"), *sft, "--max-steps", "50"], tmp_path)
     sources = tmp_path / "sources.toml"
     sources.write_text(
         '[[orchestrator.source]]\nid = "rl_toy_env:LetterE"\nsampling = { temperature = 1.0, max_tokens = 24 }\n'
@@ -43,7 +45,7 @@ def test_rl_raises_the_reward_with_tiny_mismatch(tmp_path):
     start = tmp_path / "reverse-text-sft" / "hf" / "final"
     run([*tandem, "rl", "@", str(EXAMPLE / "rl.toml"), "@", str(sources), "--model.name", str(start),
          "--output-dir", str(tmp_path), "--max-steps", "20", "--trainer.optim.lr", "3e-4",
-         "--orchestrator.async-level", "0"], 300, env)  # fmt: skip
+         "--orchestrator.async-level", "0"], tmp_path, env)  # fmt: skip
     run_dir = tmp_path / "reverse-text-rl"
     rewards = [r["reward"] for r in records(run_dir / "orchestrator_metrics.jsonl")]
     trainer = records(run_dir / "metrics.jsonl")

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 from sft_runner import read_metrics, run_sft
+
+from tandem.testing.progress import run_while_progressing
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_text"
 
 
 def test_reverse_text_sft_example_learns(tmp_path):
     data = tmp_path / "data"
-    subprocess.run(
-        [sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"],
-        check=True,
-        timeout=120,
+    prepared = run_while_progressing(
+        [sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], watch=[data]
     )
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
     run_sft(
         "@", str(EXAMPLE / "sft.toml"),
         "--model.name", str(data / "model"), "--data.path", str(data / "train.jsonl"),

@@ -1,0 +1,93 @@
+"""A new run never destroys or mixes with an earlier one in the same run directory."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from tandem.cli import main
+from tandem.config import ConfigError, load_config, to_toml
+from tandem.config.rl import RlConfig
+from tandem.config.sft import SftConfig
+from tandem.run import claim_run_dir
+from tandem.testing.progress import run_while_progressing
+
+
+def earlier_run(run_dir):
+    """What a finished run leaves: its config, logs, metrics, checkpoints and policies."""
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "sft.log").write_text("old log\n")
+    (run_dir / "sft.toml").write_text("max_steps = 3\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (run_dir / "policies" / "step-000007").mkdir(parents=True)
+    (run_dir / "policies" / "step-000007" / "COMPLETE").write_text("")
+    return run_dir
+
+
+def test_a_directory_holding_an_earlier_run_is_refused_and_left_as_it_was(tmp_path):
+    run_dir = earlier_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(metrics.jsonl, policies\).*--resume.*--overwrite"):
+        claim_run_dir(run_dir, resume=False, overwrite=False)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+    assert (run_dir / "policies" / "step-000007" / "COMPLETE").is_file()
+
+
+def test_overwrite_deletes_the_earlier_run_and_resume_keeps_it(tmp_path):
+    run_dir = earlier_run(tmp_path / "run")
+    claim_run_dir(run_dir, resume=True, overwrite=False)
+    assert (run_dir / "metrics.jsonl").is_file()
+    with pytest.raises(ConfigError, match="give one"):
+        claim_run_dir(run_dir, resume=True, overwrite=True)
+    claim_run_dir(run_dir, resume=False, overwrite=True)
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == []
+
+
+def test_a_new_missing_or_never_started_directory_is_free(tmp_path):
+    claim_run_dir(tmp_path / "missing", resume=False, overwrite=False)
+    started = tmp_path / "failed-at-startup"  # a run that failed before its first output: config and logs only
+    (started / "logs").mkdir(parents=True)
+    (started / "sft.toml").write_text("")
+    claim_run_dir(started, resume=False, overwrite=False)
+    assert (started / "sft.toml").is_file()
+
+
+@pytest.mark.parametrize("config_class", [SftConfig, RlConfig], ids=lambda c: c.__name__)
+def test_overwrite_is_never_saved_with_the_config(config_class):
+    config, _ = load_config(config_class, ["--overwrite"])
+    assert config.overwrite
+    assert "overwrite" not in to_toml(config)  # rerunning from the run's saved config cannot delete it
+
+
+@pytest.mark.parametrize("command", ["sft", "rl"])
+def test_sft_and_rl_refuse_before_touching_the_earlier_run(tmp_path, tiny_model_dir, capsys, command):
+    run_dir = earlier_run(tmp_path / "run")
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    args = [command, "--model", str(tiny_model_dir("qwen3")), "--output-dir", str(tmp_path), "--run-name", "run"]
+    if command == "sft":
+        args += ["--data.fake"]
+    try:
+        assert main(args) == 2
+    finally:
+        if dist.is_initialized():  # sft joined a group of one before it looked at the run directory
+            dist.destroy_process_group()
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
+
+
+def test_sft_overwrite_replaces_the_earlier_run(tmp_path, tiny_model_dir):
+    run_dir = earlier_run(tmp_path / "run")
+    command = [
+        sys.executable, "-m", "tandem", "sft", "--model", str(tiny_model_dir("qwen3")), "--data.fake",
+        "--seq-len", "32", "--batch-size", "1", "--max-steps", "1", "--output-dir", str(tmp_path), "--run-name", "run",
+    ]  # fmt: skip
+    result = run_while_progressing([*command, "--overwrite"], watch=[tmp_path])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "deleted the earlier run" in result.stderr
+    assert not (run_dir / "policies").exists()
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert "old log" not in (run_dir / "logs" / "sft.log").read_text()
+    again = run_while_progressing(command, watch=[tmp_path])  # the new run is protected in turn
+    assert again.returncode == 2 and "holds an earlier run" in again.stderr
