@@ -245,3 +245,13 @@ def test_a_confined_load_opens_nothing_outside_its_directory(model_dir, tmp_path
     assert len(list(iter_runtime_tensors(snapshot, args))) > 0
     with pytest.raises(OutsideDirectoryError, match=r"\.\./blobs/model.safetensors .*is outside"):
         next(iter_runtime_tensors(snapshot, args, confined=True))
+
+
+def test_a_save_removes_what_a_killed_save_of_the_same_directory_left(model_dir, tmp_path):
+    model = load_model(model_dir("qwen3"))
+    for stale in (".final.tmp-0badc0de", ".final.old-0badc0de"):  # killed before its rename / its clean-up
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".other.tmp-0badc0de").mkdir()  # another directory's save is not touched
+    save_model(model, tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-0badc0de", "final"]

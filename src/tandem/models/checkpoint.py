@@ -8,6 +8,7 @@ and values that `transformers` expects.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -286,13 +287,15 @@ def save_model(
     """Write a HF directory (`config.json`, safetensors, tokenizer and generation config) that transformers loads.
 
     Shards above `max_shard_size` and writes `model.safetensors.index.json`. Everything is written to a
-    temporary sibling directory first and renamed into place, so `path` is never half-written. Tokenizer files
-    come from `tokenizer_dir`, else from the directory the model was loaded from (`model.source_dir`).
+    temporary sibling directory first and renamed into place, so `path` is never half-written; what an earlier,
+    killed save of `path` left beside it is removed first. Tokenizer files come from `tokenizer_dir`, else from
+    the directory the model was loaded from (`model.source_dir`).
     """
     path = Path(path)
     args: ModelArgs = model.args
     tensors = list(hf_tensors(model))
     shards = _plan_shards(tensors, _parse_size(max_shard_size), dtype)
+    _remove_interrupted_saves(path)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -326,6 +329,14 @@ def _hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
     config[key] = str(dtype).removeprefix("torch.")
     return config
+
+
+def _remove_interrupted_saves(path: Path) -> None:
+    """Delete the temporary and moved-aside siblings (`.<name>.tmp-*`, `.<name>.old-*`) a killed save left."""
+    if path.parent.is_dir():
+        for kind in ("tmp", "old"):
+            for stale in path.parent.glob(f".{glob.escape(path.name)}.{kind}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def _replace_dir(tmp: Path, path: Path) -> None:
