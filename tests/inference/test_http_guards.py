@@ -94,6 +94,33 @@ def test_health_answers_while_a_huge_prompt_is_being_tokenized(route, make_engin
     assert result["reply"].status_code == 400 and "context" in result["reply"].json()["error"]["message"]
 
 
+class SpyTokenizer:
+    """The test tokenizer, recording the length of every text it tokenizes."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self.lengths = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self._tokenizer(text, **kwargs)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_far_beyond_the_context_is_refused_from_its_beginning(route, make_engine, serve, tokenizer):
+    spy = SpyTokenizer(tokenizer)
+    server = serve(make_engine(), tokenizer=spy)
+    text = "the quick brown fox jumps over the lazy dog. " * 5000  # 225k characters, the context 256 tokens
+    body = {"prompt": text} if route == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    reply = httpx.post(f"{server.url}{route}", json=body)
+    assert reply.status_code == 400 and "leaves no room" in reply.json()["error"]["message"], reply.text
+    assert spy.lengths and max(spy.lengths) < len(text) // 10  # only a beginning was tokenized
+    fits = {"prompt": text[:200]} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{server.url}{route}", json={**fits, "max_tokens": 2}).status_code == 200
+
+
 def test_a_large_json_body_is_parsed_and_served(server):
     prompt = [5] * (OFF_LOOP_BYTES // 3)  # "5, " per token: above the size parsed on a worker thread
     reply = httpx.post(f"{server.url}/generate", json={"prompt_token_ids": prompt})

@@ -46,6 +46,7 @@ from tandem.inference.http import (
     sse,
 )
 from tandem.inference.outputs import RequestUpdate, SampleRecord, SampleUpdate
+from tandem.inference.prompt_tokens import ContextTokenizer
 from tandem.inference.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -177,6 +178,7 @@ class InferenceServer:
         broadcast_hosts: Sequence[str] = (),
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.prompt_tokenizer = ContextTokenizer(tokenizer, engine.max_model_len)
         self.weights_dir, self.max_body_bytes = weights_dir, max_body_bytes
         self.trust_request_chat_template = trust_request_chat_template
         self.admin = AdminGuard(admin_token)
@@ -216,7 +218,7 @@ class InferenceServer:
             own = check_template_kwargs(body.chat_template_kwargs, trust_request_template=self.trust_request_chat_template)
         except TemplateRefused as error:
             raise HTTPError(400, str(error), param="chat_template_kwargs") from None
-        render = partial(openai_api.chat_prompt, body, self.tokenizer)
+        render = partial(openai_api.chat_prompt, body, self.prompt_tokenizer)
         return await asyncio.to_thread(partial(with_deadline, render) if own else render)
 
     def _status(self) -> EngineStatus:
@@ -298,7 +300,7 @@ class InferenceServer:
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         try:
-            prompts = await asyncio.to_thread(openai_api.completion_prompts, body, self.tokenizer)
+            prompts = await asyncio.to_thread(openai_api.completion_prompts, body, self.prompt_tokenizer)
             params = openai_api.completion_sampling(body)
         except ValidationError as error:
             raise HTTPError(400, describe(error)) from None
