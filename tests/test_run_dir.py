@@ -45,6 +45,15 @@ def test_overwrite_deletes_the_earlier_run_and_resume_keeps_it(tmp_path):
     assert run_dir.is_dir() and list(run_dir.iterdir()) == []
 
 
+def test_overwrite_deletes_only_a_run_directory(tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "cat.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(ConfigError, match="not a run directory"):
+        claim_run_dir(folder, resume=False, overwrite=True)
+    assert (folder / "cat.jpg").read_bytes() == b"\xff\xd8"
+
+
 def test_a_new_missing_or_never_started_directory_is_free(tmp_path):
     claim_run_dir(tmp_path / "missing", resume=False, overwrite=False)
     started = tmp_path / "failed-at-startup"  # a run that failed before its first output: config and logs only

@@ -44,8 +44,9 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
 
     A resumed run continues the earlier one in place. Otherwise a directory that holds anything besides
     resolved configs (`*.toml`) and `logs/` (all a run leaves that failed before its first output) is
-    refused, unless `overwrite`, which first deletes everything in it. Only the command that starts a run
-    claims its directory: the processes it starts into that directory do not.
+    refused, unless `overwrite`, which first deletes everything in it, provided it is a run's directory (it has
+    a config or `logs/`: a mistyped --output-dir must not delete someone's folder). Only the command that
+    starts a run claims its directory: the processes it starts into that directory do not.
     """
     if resume and overwrite:
         raise ConfigError("--resume continues the run in its directory and --overwrite deletes it: give one")
@@ -54,11 +55,16 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     outputs = sorted(entry.name for entry in run_dir.iterdir() if not _config_or_log(entry))
     if not outputs:
         return
+    shown = ", ".join(outputs[:4]) + (", ..." if len(outputs) > 4 else "")
     if not overwrite:
-        shown = ", ".join(outputs[:4]) + (", ..." if len(outputs) > 4 else "")
         raise ConfigError(
             f"{run_dir} holds an earlier run ({shown}): continue it with --resume, replace it with --overwrite "
             "(deletes it), or pick another --run-name"
+        )
+    if not any(_config_or_log(entry) for entry in run_dir.iterdir()):
+        raise ConfigError(
+            f"{run_dir} holds {shown} but no run's config or logs, so it is not a run directory: --overwrite "
+            "deletes only runs; move it or pick another --run-name"
         )
     for entry in run_dir.iterdir():
         if entry.is_dir() and not entry.is_symlink():
