@@ -14,7 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 FinishReason = Literal["stop", "length", "abort"]
 MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 0.01
-"""The smallest temperature above 0 (vLLM's floor): below it `logits / T` overflows fp32 to inf and NaN."""
+"""The smallest temperature above 0 (vLLM's floor): far below it `logits / T` overflows fp32 (1e-45 gives inf
+and NaN), and near it sampling is already the argmax, so 0 says it better."""
 MAX_TEMPERATURE = 100.0
 """Beyond it every distribution is uniform to fp32 precision anyway."""
 MAX_INT32 = 2**31 - 1
