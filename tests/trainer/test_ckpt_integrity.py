@@ -199,3 +199,35 @@ def test_rl_resume_takes_the_newest_intact_checkpoint_and_drops_what_came_after(
     assert "step-000003/state.json fails its CRC-32 checksum" in caplog.text
     assert batch_path(run_dir / "batches", 2).exists() and not batch_path(run_dir / "batches", 3).exists()
     assert policy_dir(run_dir / "policies", 2).exists() and not policy_dir(run_dir / "policies", 3).exists()
+
+
+def _train(rank: int, world: int, config: dict) -> None:
+    from tandem.config.sft import SftConfig
+    from tandem.trainer.sft import train
+
+    train(SftConfig.model_validate(config))
+
+
+@pytest.mark.slow
+def test_sft_resume_past_a_damaged_newest_checkpoint_continues_exactly(tiny_model_dir, tmp_path):
+    """The SFT trainer resuming after its newest checkpoint lost a byte: it logs which file, resumes from the one
+    before, and the steps it trains again give the same losses as the first time."""
+    from dist_support import run_ranks
+    from sft_runner import read_metrics
+
+    config = {
+        "model": {"name": str(tiny_model_dir("qwen3")), "dtype": "float32"}, "data": {"fake": True},
+        "seq_len": 64, "batch_size": 4, "max_steps": 4, "optim": {"lr": 3e-3}, "output_dir": str(tmp_path),
+        "run_name": "run", "ckpt": {"interval": 2, "keep": 2},
+    }  # fmt: skip
+    run_ranks(1, _train, config)
+    first = read_metrics(tmp_path / "run")
+    damaged = tmp_path / "run" / "checkpoints" / "step-000004" / "model-00000-of-00001.safetensors"
+    _flip_byte(damaged, -100)
+    run_ranks(1, _train, {**config, "resume": {"enabled": True}})
+    log = (tmp_path / "run" / "logs" / "sft.log").read_text()
+    assert f"{damaged} fails its CRC-32 checksum" in log and "resuming from step 2" in log
+    resumed = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in first]
+    verify_checkpoint(tmp_path / "run" / "checkpoints" / "step-000004")  # written again, whole
