@@ -80,3 +80,23 @@ def test_top_k_above_the_replay_cap_is_a_config_error_naming_the_field():
         _rl(MAX_REPLAY_KEPT + 1)
     # vLLM without exact replay sends no masks: nothing is replayed, nothing to cap
     assert _rl(MAX_REPLAY_KEPT + 1, engine="vllm", exact_replay=False).inference.exact_replay is False
+
+
+def test_a_set_over_the_cap_is_counted_not_listed_when_a_rollout_arrives():
+    from tandem.inference.masks import encode_mask, mask_size
+    from tandem.inference.protocol import SampleOutput
+    from tandem.orchestrator.pool import _completion
+
+    flat = range(0, 2 * MAX_REPLAY_KEPT, 2)  # more ids than the cap: a bitmap on the wire
+    masks = [encode_mask([3, 1], VOCAB), None, encode_mask(flat, VOCAB)]
+    assert masks[2].startswith("b") and mask_size(masks[2]) == MAX_REPLAY_KEPT
+    masks[2] = encode_mask([*flat, 4001], VOCAB)
+    assert [mask_size(m) for m in (masks[0], masks[2])] == [2, MAX_REPLAY_KEPT + 1]
+    output = SampleOutput(token_ids=[3, 7, 4001], logprobs=[-1.0] * 3, masks=masks, versions=[0] * 3, finish_reason="stop")
+    completion = _completion(output)
+    assert completion.kept_ids == [[1, 3], [], None]
+    samples = [TrainSample([1], completion.token_ids, completion.logprobs, 1.0, 0.1, 1.0, [0] * 3, completion.kept_ids)]
+    assert replay_overflow(samples) == 1
+    (micro,) = pack_batch(samples, SEQ_LEN, world_size=1)[0]
+    assert micro["target_ids"][0, :3].tolist() == [3, 7, IGNORE_INDEX]
+    assert micro["kept_counts"][0, :3].tolist() == [2, 0, 0] and micro["kept_ids"].tolist() == [1, 3]

@@ -54,6 +54,18 @@ def decode_mask(encoded: str) -> list[int]:
     raise ValueError(f"unknown mask encoding {kind!r} (expected 'i' or 'b')")
 
 
+def mask_size(encoded: str) -> int:
+    """How many ids an encoded mask keeps, without listing them (a flat top-p set can hold most of the vocab)."""
+    kind, payload = encoded[:1], base64.b64decode(encoded[1:], validate=True)
+    if kind == "i":
+        if len(payload) % 4:
+            raise ValueError("an 'i' mask holds whole int32 values")
+        return len(payload) // 4
+    if kind == "b":
+        return int.from_bytes(payload, "little").bit_count()
+    raise ValueError(f"unknown mask encoding {kind!r} (expected 'i' or 'b')")
+
+
 def kept_ids_rows(masks: Sequence[str | None]) -> list[list[int]]:
     """One row of kept ids per token, padded with -1 to a common width; `None` (no truncation) is all -1."""
     rows = [decode_mask(mask) if mask is not None else [] for mask in masks]

@@ -32,15 +32,21 @@ class TrainSample:
     weight: float  # loss weight of each of this sample's loss tokens (from `loss_weights`)
     temperature: float
     versions: list[int]  # policy version that produced each completion token
-    kept_ids: list[list[int]] | None = None  # per completion token, the ids sampling kept (None: whole vocab)
+    # Per completion token, the ids sampling kept ([]: the whole vocabulary; None, or more than MAX_REPLAY_KEPT:
+    # a set too large to replay); None when no token was truncated.
+    kept_ids: list[list[int] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
+def _replayable(kept: list[int] | None) -> bool:
+    return kept is not None and len(kept) <= MAX_REPLAY_KEPT
+
+
 def replay_overflow(samples: list[TrainSample]) -> int:
     """Completion tokens whose kept set is larger than the replay cap (taken off the loss when packed)."""
-    return sum(len(kept) > MAX_REPLAY_KEPT for s in samples if s.kept_ids for kept in s.kept_ids)
+    return sum(not _replayable(kept) for s in samples if s.kept_ids for kept in s.kept_ids)
 
 
 def _empty_row(seq_len: int, with_masks: bool) -> MicroBatch:
@@ -63,7 +69,7 @@ def _fill_masks(row: MicroBatch, sample: TrainSample, start: int, kept_ids: list
     """Count each completion token's kept ids at its target position (from `start`) and append them to
     `kept_ids`; a token over the cap leaves the loss instead."""
     for j, kept in enumerate(sample.kept_ids or ()):
-        if len(kept) > MAX_REPLAY_KEPT:
+        if not _replayable(kept):
             row["target_ids"][start + j] = IGNORE_INDEX
             row["loss_weights"][start + j] = 0.0
         else:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.config.orchestrator import InferencePoolConfig, RolloutSamplingConfig
+from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig, RolloutSamplingConfig
 from tandem.eval.client import OpenAIClient, RequestError
-from tandem.inference.masks import decode_mask
+from tandem.inference.masks import decode_mask, mask_size
 from tandem.inference.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
 from tandem.transport.broadcast import JoinRequest, ReceiverStatus, Rendezvous, WeightBroadcastError
 
@@ -30,7 +30,9 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
-    kept_ids: list[list[int]] | None  # per token, the ids sampling kept; None when nothing was truncated
+    # Per token, the ids sampling kept ([]: the whole vocabulary; None: more than MAX_REPLAY_KEPT, not listed);
+    # None when no token was truncated.
+    kept_ids: list[list[int] | None] | None
 
 
 class InferencePool:
@@ -139,5 +141,12 @@ class InferencePool:
 
 def _completion(sample: SampleOutput) -> Completion:
     masks = sample.masks
-    kept = None if masks is None or all(m is None for m in masks) else [decode_mask(m) if m else [] for m in masks]
+    kept = None if masks is None or all(m is None for m in masks) else [_kept_set(m) for m in masks]
     return Completion(sample.token_ids, sample.logprobs, sample.versions, sample.finish_reason, kept)
+
+
+def _kept_set(mask: str | None) -> list[int] | None:
+    """One token's kept ids; None for a set too large to replay, which is never listed."""
+    if not mask:
+        return []
+    return None if mask_size(mask) > MAX_REPLAY_KEPT else decode_mask(mask)
