@@ -82,6 +82,11 @@ class Batch:
     def __init__(
         self, engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, *, stream: bool, text: bool
     ) -> None:
+        try:  # every prompt, before anything is made or queued for any
+            for prompt in prompts:
+                engine.check(prompt, params, n=n, detokenize=text)
+        except ValueError as error:
+            raise HTTPError(400, str(error)) from None
         loop = asyncio.get_running_loop()
         self.engine = engine
         self.prompts = prompts
