@@ -26,6 +26,7 @@ from tandem.config import RunConfig, to_toml
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig, RlDeployConfig
 from tandem.jsonl import keep_steps_up_to
+from tandem.net import is_loopback
 from tandem.orchestrator.main import PER_STEP_FILES
 from tandem.run import atomic_write_text, claim_run_dir, log_tail, prepare_run_dir
 from tandem.trainer.ckpt import resolve_resume
@@ -128,13 +129,18 @@ def _cut_step_files(run_dir: Path, step: int) -> None:
 
 
 def _configure(config: RlConfig, resume_step: int) -> RlConfig:
-    """Wire the sections together: the trainer's world size and weight transport, and the resume points."""
+    """Wire the sections together: the trainer's world size and weight transport (and the address the servers
+    may join its broadcast at), and the resume points."""
     orchestrator = {
         "trainer_ranks": config.deploy.trainer_nproc,
         "resume_step": resume_step,
         "weight_transport": config.trainer.weights.transport,
     }
     updates = {"orchestrator": config.orchestrator.model_copy(update=orchestrator)}
+    weights = config.trainer.weights
+    if weights.transport == "broadcast" and not is_loopback(weights.host):
+        hosts = sorted({*config.inference.broadcast_hosts, weights.host})
+        updates["inference"] = config.inference.model_copy(update={"broadcast_hosts": hosts})
     if resume_step:
         updates["trainer"] = config.trainer.model_copy(
             update={"resume": config.trainer.resume.model_copy(update={"enabled": True, "step": resume_step})}

@@ -269,3 +269,14 @@ def test_the_vllm_routes_share_the_guards(monkeypatch, tmp_path):
             assert (await http.post("/pause")).status_code == 200 and engine.paused
 
     asyncio.run(calls())
+
+
+def test_tandem_rl_lets_its_servers_join_the_trainers_broadcast_address():
+    from tandem.config import load_config
+    from tandem.config.rl import RlConfig
+    from tandem.launch import _configure, server_configs
+
+    argv = ["--trainer.weights.transport", "broadcast", "--trainer.weights.host", "10.0.0.7"]
+    wired = _configure(load_config(RlConfig, argv)[0], 0)
+    assert all(server.broadcast_hosts == ["10.0.0.7"] for server in server_configs(wired).values())
+    assert _configure(load_config(RlConfig, argv[:2])[0], 0).inference.broadcast_hosts == []  # loopback: nothing to add
