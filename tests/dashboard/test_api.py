@@ -105,11 +105,11 @@ def test_rl_rollouts_filter_by_step_outcome_and_reward_and_page(client):
     assert [s["task_id"] for s in samples("max_reward=0.5&step=5")["samples"]] == ["t8"]
     page = samples("offset=8&limit=5")
     assert (page["total"], [s["task_id"] for s in page["samples"]]) == (10, ["t8", "t9"])
-    assert samples("step=99") == {"total": 0, "samples": []}
+    assert samples("step=99") == {"total": 0, "samples": [], "sources": ["a", "b"]}  # sources: for the filter
 
 
 def test_a_run_without_rollouts_has_no_samples(client):
-    assert client.get("/api/runs/sft-old/samples").json() == {"total": 0, "samples": []}
+    assert client.get("/api/runs/sft-old/samples").json() == {"total": 0, "samples": [], "sources": []}
 
 
 @pytest.mark.parametrize(

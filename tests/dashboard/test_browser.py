@@ -135,9 +135,9 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         assert polylines(rl_page, "inference_queue") == {"running": (4, 15), "waiting": (4, 15)}
         assert 'data-total="10"' in rl_page and len(re.findall(r'<tr data-outcome="', rl_page)) == 10
         assert 'id="rollouts" hidden' not in rl_page and 'id="rollouts" hidden' in run_page  # RL runs only
-        step_two = chromium(tmp_path, "--dump-dom", f"{base}/run/rl-run?step=2&outcome=ok")
-        assert 'data-total="1"' in step_two and re.findall(r'<tr data-outcome="(\w+)"', step_two) == ["ok"]
-        assert "user: reverse 2" in step_two and "esrever 2" in step_two and "esrever 3" not in step_two
+        step_two = chromium(tmp_path, "--dump-dom", f"{base}/run/rl-run?step=2&source=b")  # filters from the URL
+        assert 'data-total="1"' in step_two and re.findall(r'<tr data-outcome="(\w+)"', step_two) == ["truncated"]
+        assert "user: reverse 3" in step_two and "esrever 3" in step_two and "esrever 2" not in step_two
 
         eval_page = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval")
         row = re.search(r'<tr data-source="reverse_text">.*?</tr>', eval_page, re.S)

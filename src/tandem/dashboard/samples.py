@@ -13,6 +13,8 @@ from typing import Any
 from tandem.dashboard.runs import is_number
 from tandem.jsonl import iter_records
 
+MAX_SOURCES = 200
+
 
 @dataclass(frozen=True)
 class SampleFilter:
@@ -40,14 +42,18 @@ class SampleFilter:
 
 
 def sample_page(path: Path | None, where: SampleFilter, *, offset: int, limit: int) -> dict[str, Any]:
-    """`{"total": matches, "samples": [the page]}`; `error` names a file that could not be read."""
-    total, page = 0, []
+    """`{"total": matches, "samples": [the page], "sources": [every source in the file]}` (at most `MAX_SOURCES`
+    sources, for the browser's filter); `error` names a file that could not be read."""
+    total, page, sources = 0, [], set()
+    result: dict[str, Any] = {}
     try:
         for _, record in iter_records(path) if path else ():
+            if isinstance(source := record.get("source"), str) and len(sources) < MAX_SOURCES:
+                sources.add(source)
             if where.keep(record):
                 if offset <= total < offset + limit:
                     page.append(record)
                 total += 1
     except OSError as error:
-        return {"total": total, "samples": page, "error": f"{path.name}: {error.strerror or error}"}
-    return {"total": total, "samples": page}
+        result["error"] = f"{path.name}: {error.strerror or error}"
+    return {"total": total, "samples": page, "sources": sorted(sources), **result}

@@ -143,7 +143,6 @@ async function runPage() {
       browser = sampleBrowser(section.querySelector(".browser"), { api: `${base}/samples`, filters: RL_FILTERS, columns: RL_COLUMNS });
       await browser.refresh();
     }
-    for (const key of keysMatching(data.orchestrator, /^reward\/.+/)) browser?.addOption("source", key.slice("reward/".length));
   }
   await refresh();
   setInterval(() => refresh().catch(console.error), 3000);
@@ -209,7 +208,7 @@ const RL_COLUMNS = [
 ];
 
 // A filterable, paged table of the samples `api` serves, built into `container`. Filters start from the
-// page's URL (`?outcome=timeout`); `addOption` fills a select (e.g. the sources once they are known).
+// page's URL (`?outcome=timeout`); the source select lists the sources the file holds.
 function sampleBrowser(container, { api, filters, columns }) {
   const limit = 50;
   const initial = new URLSearchParams(location.search);
@@ -241,6 +240,7 @@ function sampleBrowser(container, { api, filters, columns }) {
     const query = new URLSearchParams({ offset, limit });
     for (const [id, input] of Object.entries(inputs)) if (input.value !== "") query.set(id, input.value);
     const data = await getJSON(`${api}?${query}`);
+    for (const source of data.sources ?? []) addOption("source", source);
     count.textContent = `${data.total} matching, showing ${data.total ? offset + 1 : 0}-${offset + data.samples.length}` +
       (data.error ? ` (${data.error})` : "");
     table.tBodies[0].replaceChildren(...data.samples.map((s) => {
@@ -262,10 +262,11 @@ function sampleBrowser(container, { api, filters, columns }) {
   bar.appendChild(count);
   for (const outcome of OUTCOMES) addOption("outcome", outcome);
   for (const [id, input] of Object.entries(inputs)) {
-    if (input.tagName !== "SELECT" && initial.has(id)) input.value = initial.get(id);
+    if (input.tagName === "SELECT" && initial.get(id)) addOption(id, initial.get(id));
+    else if (initial.has(id)) input.value = initial.get(id);
     input.addEventListener("change", () => { offset = 0; reload(); });
   }
-  return { refresh, addOption };
+  return { refresh };
 }
 
 async function evalPage() {
@@ -277,7 +278,6 @@ async function evalPage() {
     const data = await getJSON(`${base}/summary`);
     document.getElementById("info").textContent = data.final ? "finished (summary.json)" : "in progress (from traces)";
     const sources = Object.entries(data.sources);
-    for (const [name] of sources) browser.addOption("source", name);
     const ks = [...new Set(sources.flatMap(([, s]) => Object.keys(s.pass_at_k ?? {})))].sort((a, b) => a - b);
     const head = ["source", "rollouts", "mean reward", ...ks.map((k) => `pass@${k}`), ...OUTCOMES];
     document.querySelector("#summary thead").replaceChildren(row(head.map((h) => el("th", {}, h))));
