@@ -31,6 +31,11 @@ def test_follower_survives_a_file_that_shrinks_mid_line(tmp_path):
     with path.open("a") as handle:
         handle.write('p": 4}\n')
     assert [r["step"] for r in follower.new_records()] == [4]
+    with path.open("a") as handle:
+        handle.write("oops\n")
+    assert follower.new_records() == [] and (follower.report.corrupt, follower.report.examples) == (1, [5])
+    keep_steps_up_to(path, 1)
+    assert follower.new_records() == [{"step": 1}] and follower.report.corrupt == 0
 
 
 def test_follower_rereads_a_replaced_file_of_the_same_size(tmp_path):

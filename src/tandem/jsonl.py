@@ -105,9 +105,13 @@ class JsonlFollower:
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0
+        self.lines = 0
         self.inode: int | None = None
         self.restarted = False
         self.report = JsonlReport()
+
+    def _restart(self) -> None:
+        self.offset, self.lines, self.restarted, self.report = 0, 0, True, JsonlReport()
 
     def new_records(self) -> list[dict[str, Any]]:
         self.restarted = False
@@ -115,21 +119,22 @@ class JsonlFollower:
             handle = self.path.open("rb")
         except FileNotFoundError:
             if self.offset:
-                self.offset, self.inode, self.restarted = 0, None, True
+                self._restart()
+                self.inode = None
             return []
         records = []
         with handle:
             stat = os.fstat(handle.fileno())
             if (self.inode is not None and stat.st_ino != self.inode) or stat.st_size < self.offset:
-                self.offset, self.restarted = 0, True
+                self._restart()
             self.inode = stat.st_ino
             for end, line in _complete_lines(handle, self.offset):
-                self.offset = end
+                self.offset, self.lines = end, self.lines + 1
                 record = parse_line(line)
                 if record is not None:
                     records.append(record)
                 elif line.strip():
-                    self.report.add(-1)
+                    self.report.add(self.lines)
         return records
 
 
