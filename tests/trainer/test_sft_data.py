@@ -86,6 +86,16 @@ def test_bad_rows_skip_and_count_or_fail_with_row_number(tokenizer, tmp_path):
         list(read_jsonl(tmp_path / "missing.jsonl"))
 
 
+def test_a_line_that_is_not_utf8_is_a_bad_row_not_a_crash(tokenizer, tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    good = json.dumps({"prompt": "a", "completion": "b"}).encode()
+    path.write_bytes(b"\n".join([good, b'{"prompt": "caf\xe9", "completion": "b"}', good]) + b"\n")
+    samples, report = load_samples(read_jsonl(path), tokenizer, seq_len=64, on_bad_row="skip")
+    assert len(samples) == 2 and report.examples == {"not UTF-8 text": [2]}
+    with pytest.raises(DatasetError, match=r"row 2: not UTF-8 text \(invalid byte at column 16\)"):
+        load_samples(read_jsonl(path), tokenizer, seq_len=64, on_bad_row="fail")
+
+
 def test_packing_restarts_positions_and_keeps_targets_inside_documents():
     samples = [
         Sample([1, 2, 3], [False, True, True]),
