@@ -40,8 +40,8 @@ def resolve_weights_path(path: str, allowed_root: Path) -> Path:
     target = Path(path).expanduser()
     try:
         target = resolve_inside(target if target.is_absolute() else allowed_root / target, allowed_root)
-    except OutsideDirectoryError as error:
-        raise ForbiddenWeightsPath(f"{path} is outside the weights directory: {error}") from None
+    except OutsideDirectoryError:
+        raise ForbiddenWeightsPath(f"{path} is outside the weights directory {allowed_root.resolve()}") from None
     if not target.is_dir():
         raise WeightsError(f"{target} is not a checkpoint directory")
     return target
