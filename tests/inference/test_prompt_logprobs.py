@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -247,3 +248,26 @@ def test_streamed_echo_starts_with_the_scored_prompt(server, tokenizer):
 def test_max_tokens_zero_needs_echo(server):
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 0})
     assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]
+
+
+def test_the_vllm_routes_refuse_prompt_logprobs_on_generate(monkeypatch, tmp_path):
+    """vLLM's /generate does not return them yet: a clear 400, never a response that silently lacks them."""
+    from types import SimpleNamespace
+
+    from tandem.inference.vllm import routes
+
+    settings = routes.RouteSettings(str(tmp_path), "tiny", str(tmp_path), None, True, str(tmp_path), 1 << 20)
+    monkeypatch.setenv(routes.SETTINGS_ENV, settings.to_env())
+    middleware = routes.TandemRoutes(app=None)
+
+    async def app(scope, receive, send):
+        scope["app"] = SimpleNamespace(state=SimpleNamespace(engine_client=None))  # never reached
+        await middleware(scope, receive, send)
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            body = {"prompt_token_ids": [1, 2, 3], "sampling": {"prompt_logprobs": 0}}
+            return await client.post("/generate", json=body)
+
+    response = asyncio.run(post())
+    assert response.status_code == 400 and "prompt_logprobs" in response.json()["error"]["message"]

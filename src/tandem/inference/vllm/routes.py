@@ -198,6 +198,13 @@ class TandemRoutes:
                 "(the trainer then renormalises over the whole vocabulary)",
                 param="sampling",
             )
+        if params.prompt_logprobs is not None:  # refused, not ignored: the caller would read nulls as "none asked"
+            raise HTTPError(
+                400,
+                "prompt_logprobs on /generate is served by the built-in engine only; with vLLM use "
+                "/v1/completions with echo and logprobs (vLLM's own)",
+                param="sampling.prompt_logprobs",
+            )
         max_model_len = engine.model_config.max_model_len
         for prompt in body.prompts:
             _check_room(prompt, params, max_model_len)
