@@ -30,6 +30,7 @@ from tandem.net import is_loopback
 from tandem.orchestrator.main import PER_STEP_FILES
 from tandem.run import atomic_write_text, claim_run_dir, log_tail, prepare_run_dir
 from tandem.trainer.ckpt import resolve_resume
+from tandem.trainer.model import read_model_args
 from tandem.transport.batches import batch_path
 from tandem.transport.broadcast import announce_path
 from tandem.transport.policies import policy_dir
@@ -199,6 +200,7 @@ class ChildFailed(RuntimeError):
 
 def run_rl(config: RlConfig) -> int:
     """The `tandem rl` runner."""
+    read_model_args(config.trainer)  # a bad model path is one line here, not a child's failure after start-up
     claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
     prepare_run_dir(config, "rl")
     resume_step = _resume_step(config) if config.resume.enabled else 0

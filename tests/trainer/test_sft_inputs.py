@@ -86,3 +86,11 @@ def test_chat_rows_need_a_chat_template(tiny_model_dir, reverse_text_jsonl, tmp_
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     err = sft_error(capsys, tmp_path, model, reverse_text_jsonl)
     assert "chat `messages` rows, but the model's tokenizer has no chat template" in err.splitlines()[-1]
+
+
+def test_rl_checks_the_model_path_before_starting_any_process(tmp_path, capsys):
+    capsys.readouterr()
+    code = main(["rl", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "model.name" in err and "no such directory" in err, err
+    assert not (tmp_path / "out").exists()
