@@ -12,7 +12,7 @@ from tandem.cli import main
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.rl import RlConfig
 from tandem.config.sft import SftConfig
-from tandem.run import claim_run_dir
+from tandem.run import claim_run_dir, prepare_run_dir
 from tandem.testing.progress import run_while_progressing
 
 
@@ -100,3 +100,9 @@ def test_sft_overwrite_replaces_the_earlier_run(tmp_path, tiny_model_dir):
     assert "old log" not in (run_dir / "logs" / "sft.log").read_text()
     again = run_while_progressing(command, watch=[tmp_path])  # the new run is protected in turn
     assert again.returncode == 2 and "holds an earlier run" in again.stderr
+
+
+def test_an_output_dir_that_is_a_file_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot create the run directory .*file/run: Not a directory"):
+        prepare_run_dir(SftConfig(output_dir=tmp_path / "file", run_name="run"))

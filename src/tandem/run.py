@@ -104,7 +104,10 @@ def prepare_run_dir(config: RunConfig, process: str | None = None) -> Path:
     """Create `<output_dir>/<run_name>/`, write the resolved config there and start logging to `logs/`."""
     run_dir = config.run_dir
     process = process or config.command
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # output_dir is a file, or not writable
+        raise ConfigError(f"cannot create the run directory {run_dir}: {error.strerror}") from None
     atomic_write_text(run_dir / f"{process}.toml", to_toml(config))
     setup_logging(config.log.level, run_dir / "logs" / f"{process}.log")
     logger.info("run directory: %s", run_dir)
