@@ -312,7 +312,7 @@ class Orchestrator:
         """`log_samples` of the batch's rollouts, spread evenly over its groups."""
         count = min(self.config.log_samples, len(records))
         for k in range(count):
-            self._rollouts.write(self._rollout_record(step, records[k * len(records) // count]))
+            self._rollouts_out.write(self._rollout_record(step, records[k * len(records) // count]))
 
     async def _online_eval(self, step: int) -> None:
         """Evaluate the policy being served, beside the training rollouts; one `kind = "eval"` record."""
@@ -320,7 +320,7 @@ class Orchestrator:
         out_dir = self.run_dir / "evals" / f"step-{step:06d}"
         inference = self.config.inference
         metrics = await run_online_eval(self.config.eval, inference.base_urls[0], inference.admin_token, out_dir)
-        self._metrics_file.write(
+        self._metrics_out.write(
             {
                 "step": step,
                 "kind": "eval",
@@ -370,13 +370,13 @@ class Orchestrator:
         """The per-step record files, without records past the step resumed from."""
         for name in PER_STEP_FILES:
             keep_steps_up_to(self.run_dir / name, resume_step)
-        self._metrics_file = JsonlWriter(self.run_dir / METRICS_FILE)
-        self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE) if self.config.log_samples else None
+        self._metrics_out = JsonlWriter(self.run_dir / METRICS_FILE)
+        self._rollouts_out = JsonlWriter(self.run_dir / ROLLOUTS_FILE) if self.config.log_samples else None
 
     def _close_step_files(self) -> None:
-        self._metrics_file.close()
-        if self._rollouts is not None:
-            self._rollouts.close()
+        self._metrics_out.close()
+        if self._rollouts_out is not None:
+            self._rollouts_out.close()
 
     async def _train_step(self, step: int, points: dict[str, Any]) -> dict[str, Any]:
         """Assemble, record and write batch `step`; its metrics record."""
@@ -391,8 +391,8 @@ class Orchestrator:
         meta = {"num_samples": len(samples), "num_tokens": sum(len(s) for s in samples)}
         write_batch(self.run_dir / "batches", step, ranks, meta)
         record = self._metrics(step, groups, records, samples)
-        self._metrics_file.write(record)
-        if self._rollouts is not None:
+        self._metrics_out.write(record)
+        if self._rollouts_out is not None:
             self._log_samples(step, records)
         return record
 
