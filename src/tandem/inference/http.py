@@ -38,7 +38,7 @@ QUEUE_DEPTH_HEADER = "x-queue-depth"
 CLIENT_GONE = 499
 DEFAULT_MAX_BODY_BYTES: int = InferenceConfig.model_fields["max_body_bytes"].default
 OFF_LOOP_BYTES = 256 * 2**10
-"""Bodies above this are parsed on a worker thread (below it, parsing takes well under a millisecond)."""
+"""Bodies above this are parsed on a worker thread (a 25 MB one takes half a second; this one a few milliseconds)."""
 
 M = TypeVar("M", bound=BaseModel)
 Endpoint = Callable[[Request], Awaitable[Response]]
