@@ -93,19 +93,23 @@ def test_score_tokens_is_token_logprobs_with_the_top_n():
     assert torch.equal(scored.logprobs[:4], scored.top_logprobs[:4, 0])
 
 
-def test_engine_prompt_logprobs_equal_transformers(make_engine, hf_model):
-    """Prompts split over several prefill steps, in one batch with a request that asks for nothing; sampling
-    (temperature, top-k, penalties) does not touch the prompt's scores."""
+def test_engine_prompt_logprobs_equal_transformers(make_engine, hf_model, monkeypatch):
+    """Prompts split over several prefill steps; sampling (temperature, top-k) does not touch the prompt's scores,
+    and a request that does not ask for them costs no scoring."""
+    from tandem.inference import engine as engine_module
+
+    scorings = []
+    monkeypatch.setattr(engine_module, "score_tokens", lambda *a, **k: scorings.append(1) or score_tokens(*a, **k))
     engine = make_engine(max_prefill_tokens=24)
     prompts = prompts_of((1, 2, 17, 40, 61), engine.vocab_size)
     params = SamplingParams(temperature=0.7, top_k=5, max_tokens=3, seed=1, prompt_logprobs=3)
-    unscored = SamplingParams(temperature=0, max_tokens=3)
+    plain = run(engine, [prompts[3]], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert not scorings and plain.prompt_logprobs is None
     collectors = run(engine, prompts, params, n=2)
-    plain = run(engine, [prompts[3]], unscored)[0]
+    assert scorings
     for prompt, collector in zip(prompts, collectors, strict=True):
         assert_matches_hf(hf_model, prompt, collector.prompt_logprobs, 3)
         assert all(len(sample.token_ids) == 3 for sample in collector.samples)
-    assert plain.prompt_logprobs is None
 
 
 def test_prompt_logprobs_without_top_and_in_a_mixed_batch(make_engine, hf_model):
