@@ -58,3 +58,16 @@ def test_writer_cuts_a_half_written_line_before_appending(tmp_path):
     with JsonlWriter(path, truncate=True) as writer:
         writer.write({"a": 3})
     assert read_records(path) == [{"a": 3}]
+
+
+def test_keep_steps_up_to_leaves_a_file_with_nothing_to_drop_untouched(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+    inode = path.stat().st_ino
+    keep_steps_up_to(path, 2)
+    assert path.stat().st_ino == inode
+    keep_steps_up_to(path, 1)
+    assert read_records(path) == [{"step": 1}] and path.stat().st_ino != inode
+    path.write_text('{"step": 1}\n{"st')
+    keep_steps_up_to(path, 5)
+    assert path.read_text() == '{"step": 1}\n'

@@ -184,13 +184,24 @@ class JsonlWriter:
         self.close()
 
 
+def _ends_complete(path: Path) -> bool:
+    """Whether the file is empty or ends with a newline (no half-written last line)."""
+    with path.open("rb") as handle:
+        if handle.seek(0, os.SEEK_END) == 0:
+            return True
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"
+
+
 def keep_steps_up_to(path: Path, step: int) -> None:
     """Rewrite a per-step JSONL file without the records past `step` (and any corrupt or half-written line),
-    atomically, so a run resumed from step `step`'s checkpoint never counts a later step twice."""
+    atomically, so a run resumed from step `step`'s checkpoint never counts a later step twice. A file with
+    nothing to drop is left as it is, so a follower of it does not restart."""
     if not path.exists():
         return
-    lines = [
-        json.dumps(record, ensure_ascii=False) + "\n" for record in read_records(path) if record.get("step", 0) <= step
-    ]
-    atomic_write_text(path, "".join(lines))
-
+    report = JsonlReport()
+    records = read_records(path, report=report)
+    kept = [record for record in records if record.get("step", 0) <= step]
+    if len(kept) == len(records) and not report.corrupt and _ends_complete(path):
+        return
+    atomic_write_text(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in kept))
