@@ -52,14 +52,14 @@ def _load_tokenizer(config: SftConfig):
         raise ConfigError(f"model.name {source} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(config.model.name)
-    except (OSError, ValueError) as error:  # no tokenizer files, or ones transformers cannot read
+    except (OSError, ValueError) as error:  # tokenizer files transformers cannot read
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"cannot load a tokenizer from model.name {config.model.name}: {first_line}") from None
 
 
 def _data_file(config: SftConfig) -> Path | None:
-    """The local JSONL file `data.path` names, checked to be a readable file; None for a Hugging Face dataset
-    name (anything that is neither an existing path nor a `.jsonl` one)."""
+    """The local JSONL file `data.path` names, checked to be a file; None for a Hugging Face dataset name
+    (anything that is neither an existing path nor a `.jsonl` one)."""
     path = Path(config.data.path)
     if not (path.suffix == ".jsonl" or path.exists()):
         return None
