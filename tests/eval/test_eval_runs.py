@@ -101,16 +101,16 @@ def test_two_sources_give_two_summaries(tmp_path, fake_server, capsys):
 
 def test_slow_requests_time_out_and_the_concurrency_shrinks(tmp_path, fake_server):
     calls = itertools.count()
-    fake_server.delay = lambda messages: 0.5 if next(calls) % 3 == 0 else 0.01  # every third request stalls
+    fake_server.delay = lambda messages: 60.0 if next(calls) % 3 == 0 else 0.0  # every third request stalls
     code, run_dir = run_eval(
         tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 12}",
-        "--env.request-timeout-s", "0.2", "--env.retries.max-retries", "0",
+        "--env.request-timeout-s", "2", "--env.retries.max-retries", "0",
         "--concurrency.initial", "4", "--concurrency.max", "4",
     )  # fmt: skip
     assert code == 0
     records = read_traces(run_dir / "traces.jsonl")
     timeouts = [r for r in records if r["outcome"] == "timeout"]
-    assert len(timeouts) == 4 and all(r["reward"] == 0.0 and "0.2s" in r["error"] for r in timeouts)
+    assert len(timeouts) == 4 and all(r["reward"] == 0.0 and "2s" in r["error"] for r in timeouts)
     assert records[0]["concurrency"] == 4 and min(r["concurrency"] for r in records) < 4
     summary = summaries(run_dir)["arithmetic"]
     assert summary["outcomes"]["timeout"] == 4 and summary["rollouts"] == 12

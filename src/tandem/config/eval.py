@@ -63,7 +63,7 @@ class ConcurrencyConfig(Section):
     decrease: float = Field(0.5, gt=0, lt=1)
     """Factor applied to the limit on a timeout, a connection error, a 5xx/429 or a latency past the tolerance."""
     latency_tolerance: float = Field(2.0, ge=1)
-    """A window whose mean latency exceeds this factor of the baseline (the lowest window mean) backs off."""
+    """Back off when a window's mean latency exceeds this factor of the baseline (a moving average of earlier ones)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> ConcurrencyConfig:

@@ -3,24 +3,30 @@
 A *window* is one success per request in flight. The limit is multiplied by
 `decrease` on a sign of overload: a timeout, a connection error, a 5xx or a
 429, or a window whose mean latency exceeds `latency_tolerance` times the
-baseline, the lowest window mean seen. After a window without one it grows:
-it doubles while below the slow-start threshold and adds `increase` above it.
-The threshold starts at `max` (so the limit doubles from `initial`) and is set
-to where the first decrease of a run of decreases lands, so after a burst of
-errors the limit doubles back to half of what it was, then probes on slowly.
-If the window after a latency decrease is hardly faster (less than halfway to
-what the decrease would give if the latency were all queueing behind our own
-requests), the latency was not ours (longer tasks, a slower server): its mean
-becomes the baseline and the limit grows again, instead of falling to `min`
-window after window.
+baseline, a moving average of the windows that held. Only windows of at least
+`JUDGED_WINDOW` successes are judged by latency (rollout lengths vary, so the
+mean of a few is noise); smaller ones only grow the limit. After a window
+without overload the limit grows: it doubles while below the slow-start
+threshold and adds `increase` from it on. The threshold starts at `max` (so the
+limit doubles from `initial`) and is set to where the first decrease of a run
+of decreases lands, so after a burst of errors the limit doubles back to half
+of what it was, then probes on slowly.
+
+The latency rule catches fast growth: slow start overshooting what the server
+runs at once, or a server that slows down. If the window after a latency
+decrease is hardly faster (less than halfway to what the decrease would give
+if the latency were all queueing behind our own requests), the latency was not
+ours (longer tasks, a slower server): its mean becomes the baseline and the
+limit grows again, instead of falling to `min` window after window. Growth as
+slow as additive increase moves the baseline with it: requests queued beyond
+what a server runs cost latency, not throughput, and timeouts still bound them.
 
 A server's queue depth is no overload signal: a saturated server that batches
 requests (continuous batching) always has a few waiting for the next step, and
-that small standing queue is its healthy state. Requests queued beyond what it
-can run show as latency growth. Feedback from requests sent before the last
-change describes the old limit, so it neither fills a window nor shrinks the
-limit a second time. Nothing here knows about evals; the orchestrator drives
-inference the same way.
+that small standing queue is its healthy state. Feedback from requests sent
+before the last change describes the old limit, so it neither fills a window
+nor shrinks the limit a second time. Nothing here knows about evals; the
+orchestrator's online evals use it too.
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ from dataclasses import dataclass
 from tandem.config.eval import ConcurrencyConfig
 
 logger = logging.getLogger(__name__)
+
+JUDGED_WINDOW = 16
+"""Fewest successes whose mean latency is judged against the baseline: rollout lengths vary, so the mean of
+fewer is mostly noise. Smaller windows only grow the limit (it takes a few to reach this size)."""
+BASELINE_WEIGHT = 0.25
+"""Weight of each judged window that held in the baseline, a moving average of their mean latencies."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,8 @@ class AimdController:
         self.threshold = config.max
         """Slow-start threshold: below it a window doubles the limit, from it on a window adds `increase`."""
         self.baseline_s: float | None = None
-        """The lowest window mean latency seen (or the one adopted after latency that did not come from us)."""
+        """Moving average of the judged windows' mean latencies that held (or one adopted after a decrease that
+        did not help); None until the first judged window."""
         self._clock = clock
         self._changed_at = self._decreased_at = clock()
         self._window: list[Feedback] = []
@@ -77,14 +90,19 @@ class AimdController:
             return
         self._window.append(feedback)
         if len(self._window) >= self.limit:
-            self._close_window(sum(f.latency_s for f in self._window) / len(self._window))
+            size = len(self._window)
+            if size < JUDGED_WINDOW:
+                self._increase("a small window")
+            else:
+                self._judge(sum(f.latency_s for f in self._window) / size)
 
-    def _close_window(self, latency: float) -> None:
-        """Move the limit by one full window's mean latency."""
+    def _judge(self, latency: float) -> None:
+        """Move the limit by the mean latency of a full window of at least `JUDGED_WINDOW` successes."""
         slow, self._slow_window_s = self._slow_window_s, None
-        if self.baseline_s is None or latency < self.baseline_s:
+        if self.baseline_s is None:
             self.baseline_s = latency
         if latency <= self.config.latency_tolerance * self.baseline_s:
+            self.baseline_s += BASELINE_WEIGHT * (latency - self.baseline_s)
             self._increase("latency holds")
         elif slow is not None and latency > slow * (1 + self.config.decrease) / 2:
             self.baseline_s = latency
