@@ -152,3 +152,5 @@ def test_the_server_answers_4xx_keeps_its_weights_and_never_goes_back_a_version(
     assert older.status_code == 409 and "older than the served version 2" in older.json()["error"]["message"]
     again = httpx.post(update, json={"path": "policy-2", "version": 2}, timeout=30)  # a retried update is fine
     assert again.status_code == 200 and engine.version == 2 and tokens() == changed
+    back = httpx.post(update, json={"path": "policy-2", "version": 1, "rollback": True}, timeout=30)
+    assert back.status_code == 200 and engine.version == 1  # a resumed run's first load, on purpose

@@ -1,7 +1,8 @@
-"""Inference idle time counts only the spans with no request in flight on any server."""
+"""The inference pool: idle time counts only spans with nothing in flight; policy loads roll back only first."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -23,3 +24,18 @@ def test_idle_time_counts_only_gaps_with_nothing_in_flight():
         pass
     assert pool.idle_s - start == pytest.approx(0.2, abs=0.05)
     assert pool.in_flight == [0, 0]
+
+
+def test_only_the_first_policy_load_may_roll_the_servers_back(tmp_path):
+    """A resumed run's first policy may be older than what long-lived servers serve; later loads never roll back."""
+    pool = InferencePool(InferencePoolConfig(base_urls=["http://127.0.0.1:1"]))
+    sent = []
+
+    async def request(method, route, body=None):
+        sent.append((route, body))
+
+    pool.clients[0].request = request
+    asyncio.run(pool.load_policy(tmp_path / "step-3", 3))
+    asyncio.run(pool.load_policy(tmp_path / "step-4", 4))
+    updates = [body for route, body in sent if route == "/update_weights"]
+    assert [(u["version"], u["rollback"]) for u in updates] == [(3, True), (4, False)]

@@ -194,6 +194,9 @@ class UpdateWeightsRequest(RequestModel):
     """A Hugging Face checkpoint directory inside the server's weights_dir."""
     version: int = Field(ge=0)
     """The policy version tokens sampled with these weights record."""
+    rollback: bool = False
+    """Allow a version older than the served one. Refused otherwise, so a late or repeated update never rolls the
+    policy back; a resumed orchestrator sets it on its first load, as its run may be older than the servers."""
 
 
 class UpdateWeightsResponse(WireModel):

@@ -446,11 +446,11 @@ class InferenceServer:
     async def update_weights(self, request: Request) -> Response:
         body = await self._parse(request, UpdateWeightsRequest)
         async with self._weights_lock:
-            if body.version < self.engine.version:  # a late or duplicated update must not roll the policy back
+            if body.version < self.engine.version and not body.rollback:
                 raise HTTPError(
                     409,
                     f"policy version {body.version} is older than the served version {self.engine.version}; "
-                    "versions never go backwards (restart the server to serve an older policy)",
+                    "versions never go backwards unless the update sets rollback",
                     param="version",
                 )
             started = time.monotonic()

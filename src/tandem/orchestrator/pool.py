@@ -45,6 +45,8 @@ class InferencePool:
         self.in_flight = [0] * len(self.clients)
         self.requests = [0] * len(self.clients)  # rollout requests sent to each server
         self.version = 0
+        self.loaded = False
+        """Whether this process has loaded a policy yet (its first load may roll the servers back)."""
         self.idle_s = 0.0
         self._idle_from = time.monotonic()
 
@@ -97,14 +99,17 @@ class InferencePool:
         return [_completion(sample) for sample in response.outputs[0].samples]
 
     async def load_policy(self, path: Path, version: int) -> None:
-        """Pause every server, swap in policy `version`, resume: requests in flight continue with it."""
-        body: dict[str, Any] = {"path": str(path), "version": version}
+        """Pause every server, swap in policy `version`, resume: requests in flight continue with it.
+
+        The first load may roll the servers back: long-lived servers may serve a later policy than the one a
+        resumed run continues from."""
+        body: dict[str, Any] = {"path": str(path), "version": version, "rollback": not self.loaded}
         await asyncio.gather(*(client.request("POST", "/pause") for client in self.clients))
         try:
             await asyncio.gather(*(client.request("POST", "/update_weights", body) for client in self.clients))
         finally:
             await asyncio.gather(*(client.request("POST", "/resume") for client in self.clients))
-        self.version = version
+        self.version, self.loaded = version, True
         logger.info("inference now serves policy %d", version)
 
     async def join_broadcast(self, rendezvous: Rendezvous) -> None:
