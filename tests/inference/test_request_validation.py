@@ -18,6 +18,7 @@ from tandem.inference.protocol import (
     CompletionRequest,
     GenerateRequest,
     SamplingParams,
+    context_room,
 )
 
 
@@ -150,3 +151,13 @@ def test_default_openai_fields_are_accepted_and_unknown_ones_refused(server):
         client.chat.completions.create(model="tiny", messages=messages, extra_body={"bogus": 1})
     with pytest.raises(openai.BadRequestError, match="unknown field `store`"):  # chat-only fields stay chat's
         client.completions.create(model="tiny", prompt="hello", extra_body={"store": True})
+
+
+def test_context_room_is_the_one_context_check():
+    """Both engines (engine.check, the vLLM routes) refuse a prompt that leaves no room with these words."""
+    assert context_room(10, None, 16) == 6
+    assert context_room(10, 6, 16) == 6
+    with pytest.raises(ValueError, match="the prompt has 16 tokens; the context is 16"):
+        context_room(16, None, 16)
+    with pytest.raises(ValueError, match=r"max_tokens=7 does not fit.*at most 6 tokens"):
+        context_room(10, 7, 16)

@@ -46,7 +46,7 @@ from tandem.inference.fused_decode import fused_decode_step, fused_decode_suppor
 from tandem.inference.kv_budget import block_bytes, kv_cache_blocks
 from tandem.inference.masks import encode_mask
 from tandem.inference.outputs import PromptLogprobs, RequestUpdate, SampleRecord, SampleUpdate
-from tandem.inference.protocol import FinishReason, SamplingParams
+from tandem.inference.protocol import FinishReason, SamplingParams, context_room
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.scheduler import SCRATCH_BLOCK, BlockAllocator, Request, Scheduler, Sequence
 from tandem.inference.weights import copy_weights
@@ -354,18 +354,7 @@ class Engine:
             raise ValueError("the prompt has no tokens")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; the context is {self.max_model_len} (seq_len), "
-                "which leaves no room for a completion"
-            )
-        room = self.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context "
-                f"is {self.max_model_len} (seq_len), so at most {room} tokens can be generated"
-            )
-        max_tokens = params.max_tokens or room
+        max_tokens = context_room(len(prompt), params.max_tokens, self.max_model_len)
         blocks = -(-(len(prompt) + max_tokens) // self.config.block_size)
         if blocks > self.usable_blocks:
             raise ValueError(

@@ -58,6 +58,7 @@ from tandem.inference.protocol import (
     SamplingParams,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    context_room,
 )
 from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, resolve_weights_path
 
@@ -206,8 +207,11 @@ class TandemRoutes:
                 param="sampling.prompt_logprobs",
             )
         max_model_len = engine.model_config.max_model_len
-        for prompt in body.prompts:
-            _check_room(prompt, params, max_model_len)
+        try:
+            for prompt in body.prompts:
+                context_room(len(prompt), params.max_tokens, max_model_len)
+        except ValueError as error:
+            raise HTTPError(400, str(error)) from None
         vllm_params = _vllm_sampling(params, body.n)
         tasks = [asyncio.ensure_future(self._prompt(engine, prompt, vllm_params, params)) for prompt in body.prompts]
         everything, gone = asyncio.gather(*tasks), asyncio.ensure_future(client_gone(request))
@@ -307,23 +311,6 @@ class TandemRoutes:
 
 def _version_number(label: str | None) -> int | None:
     return int(label) if label is not None and label.isdigit() else None
-
-
-def _check_room(prompt: list[int], params: SamplingParams, max_model_len: int) -> None:
-    """The built-in engine's context checks, with its messages."""
-    if len(prompt) >= max_model_len:
-        raise HTTPError(
-            400,
-            f"the prompt has {len(prompt)} tokens; the context is {max_model_len} (seq_len), "
-            "which leaves no room for a completion",
-        )
-    room = max_model_len - len(prompt)
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise HTTPError(
-            400,
-            f"max_tokens={params.max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context "
-            f"is {max_model_len} (seq_len), so at most {room} tokens can be generated",
-        )
 
 
 def _vllm_sampling(params: SamplingParams, n: int) -> Any:
