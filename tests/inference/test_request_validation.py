@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.inference.protocol import (
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_SAMPLES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,6 +61,8 @@ BAD_REQUESTS = [
     ("/generate", _generate({"logit_bias": {"x": 1}}), ["logit_bias"]),
     ("/generate", _generate({"logit_bias": {"-1": 1}}), ["logit_bias"]),
     ("/generate", _generate({"logit_bias": {"1000000": 1}}), ["logit_bias"]),
+    ("/generate", _generate({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}}), ["logit_bias"]),
+    ("/v1/completions", {"prompt": [5], "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}}, ["bias"]),
     ("/generate", '{"prompt_token_ids": [5], "sampling": {"temperature": NaN}}', ["temperature"]),
     ("/generate", '{"prompt_token_ids": [5], "sampling": {"top_p": Infinity}}', ["top_p"]),
     ("/v1/completions", {"prompt": [5, 6], "n": 10**9}, ["n"]),

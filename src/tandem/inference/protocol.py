@@ -25,6 +25,9 @@ MAX_PENALTY = 2.0
 """|frequency_penalty| and |presence_penalty| at most this (OpenAI's range)."""
 MAX_LOGIT_BIAS = 100.0
 """|logit_bias| values at most this (OpenAI's range)."""
+MAX_LOGIT_BIAS_TOKENS = 1024
+"""logit_bias entries at most this: each engine step adds every entry for every sample of the request, on the
+engine thread, so a vocabulary-sized bias would slow every other request's steps."""
 
 
 def _temperature(value: float) -> float:
@@ -44,7 +47,10 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TopN = Annotated[int, Field(ge=0, le=MAX_INT32)]
 """How many top logprobs; the engine also checks it against the server's max_logprobs."""
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
-LogitBias = dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]
+LogitBias = Annotated[
+    dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Field(max_length=MAX_LOGIT_BIAS_TOKENS),
+]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 """Any 64-bit pattern, signed or unsigned."""
 

@@ -163,19 +163,21 @@ def _logit_additions(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`SamplingBatch.adjust`: one (row, id, value) per biased token and per distinct token a penalised row
     generated, so the cost follows what the rows asked for, not the vocabulary."""
-    places: list[tuple[int, int]] = []
+    rows: list[int] = []
+    ids: list[int] = []
     values: list[float] = []
     for row, p in enumerate(params):
-        for token, bias in p.logit_bias.items():
-            places.append((row, token))
-            values.append(bias)
+        rows += [row] * len(p.logit_bias)
+        ids += p.logit_bias
+        values += p.logit_bias.values()
         if p.penalised and generated is not None:
-            for token, count in Counter(generated[row]).items():
-                places.append((row, token))
-                values.append(-(p.frequency_penalty * count + p.presence_penalty))
-    if not places:
+            counts = Counter(generated[row])
+            rows += [row] * len(counts)
+            ids += counts
+            values += (-(p.frequency_penalty * count + p.presence_penalty) for count in counts.values())
+    if not rows:
         return None
-    index, value = torch.tensor(places, dtype=torch.int64).T.contiguous(), torch.tensor(values, dtype=torch.float32)
+    index, value = torch.tensor([rows, ids], dtype=torch.int64), torch.tensor(values, dtype=torch.float32)
     return tuple(copy_to_device(t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in (index, value))  # type: ignore[return-value]
 
 
