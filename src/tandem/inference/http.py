@@ -150,7 +150,9 @@ async def client_gone(request: Request) -> None:
 def check_model(name: str | None, served: str) -> None:
     """404 unless a request that names a model names the served one."""
     if name is not None and name != served:
-        raise HTTPError(404, f"model `{name}` is not served here; this server serves `{served}`", "not_found_error", "model")
+        raise HTTPError(
+            404, f"model `{name}` is not served here; this server serves `{served}`", "not_found_error", "model"
+        )
 
 
 def _origin_is_this_server(origin: str, server: tuple[str, int] | None) -> bool:

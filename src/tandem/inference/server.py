@@ -220,7 +220,9 @@ class InferenceServer:
         """The rendered, tokenized conversation, on a worker thread (under a deadline when the request brings its
         own template)."""
         try:
-            own = check_template_kwargs(body.chat_template_kwargs, trust_request_template=self.trust_request_chat_template)
+            own = check_template_kwargs(
+                body.chat_template_kwargs, trust_request_template=self.trust_request_chat_template
+            )
         except TemplateRefused as error:
             raise HTTPError(400, str(error), param="chat_template_kwargs") from None
         render = partial(openai_api.chat_prompt, body, self.prompt_tokenizer)
