@@ -234,7 +234,7 @@ class FakeVllmEngine:
         return self.paused
 
     async def get_weight_version(self) -> str:
-        return "0"
+        return "3"
 
     async def pause_generation(self, **kwargs) -> None:
         self.paused = True
@@ -267,6 +267,8 @@ def test_the_vllm_routes_share_the_guards(monkeypatch, tmp_path):
             assert too_big.status_code == 413
             wrong_model = await http.post("/generate", json={"prompt_token_ids": [5], "model": "gpt-9"})
             assert wrong_model.status_code == 404 and "not served here" in wrong_model.json()["error"]["message"]
+            older = await http.post("/update_weights", json={"path": "policy-2", "version": 2})
+            assert older.status_code == 409 and "older than the served version 3" in older.json()["error"]["message"]
             assert (await http.post("/pause")).status_code == 200 and engine.paused
 
     asyncio.run(calls())

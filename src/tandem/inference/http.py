@@ -155,6 +155,18 @@ def check_model(name: str | None, served: str) -> None:
         )
 
 
+def check_version_order(version: int, served: int, rollback: bool) -> None:
+    """409 for a weight update to a policy version older than the served one, unless it says `rollback`: a
+    stale or reordered update would otherwise replace newer weights. The same version again passes (a retry)."""
+    if version < served and not rollback:
+        raise HTTPError(
+            409,
+            f"policy version {version} is older than the served version {served}; "
+            "versions never go backwards unless the update sets rollback",
+            param="version",
+        )
+
+
 def _origin_is_this_server(origin: str, server: tuple[str, int] | None) -> bool:
     """Whether a browser's `Origin` names the address this connection arrived at (its loopback names included)."""
     if server is None:

@@ -37,6 +37,7 @@ from tandem.inference.http import (
     HTTPError,
     QueueDepthHeader,
     check_model,
+    check_version_order,
     client_gone,
     describe,
     endpoint,
@@ -448,13 +449,7 @@ class InferenceServer:
     async def update_weights(self, request: Request) -> Response:
         body = await self._parse(request, UpdateWeightsRequest)
         async with self._weights_lock:
-            if body.version < self.engine.version and not body.rollback:
-                raise HTTPError(
-                    409,
-                    f"policy version {body.version} is older than the served version {self.engine.version}; "
-                    "versions never go backwards unless the update sets rollback",
-                    param="version",
-                )
+            check_version_order(body.version, self.engine.version, body.rollback)
             started = time.monotonic()
             try:
                 path = resolve_weights_path(body.path, self.weights_dir)

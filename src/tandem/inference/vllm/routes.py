@@ -44,6 +44,7 @@ from tandem.inference.http import (
     HTTPError,
     answer,
     check_model,
+    check_version_order,
     client_gone,
     json_response,
     parse,
@@ -250,14 +251,15 @@ class TandemRoutes:
 
     async def update_weights(self, request: Request, engine: Any) -> Response:
         body = await parse(request, UpdateWeightsRequest, self.settings.max_body_bytes)
-        try:
-            path = resolve_weights_path(body.path, Path(self.settings.weights_dir))
-            self._check_same_model(path)
-        except WeightsError as error:
-            status = 403 if isinstance(error, ForbiddenWeightsPath) else 400
-            raise HTTPError(status, str(error), param="path") from None
         self._weights_lock = self._weights_lock or asyncio.Lock()
         async with self._weights_lock:
+            check_version_order(body.version, await self._version(engine), body.rollback)
+            try:
+                path = resolve_weights_path(body.path, Path(self.settings.weights_dir))
+                self._check_same_model(path)
+            except WeightsError as error:
+                status = 403 if isinstance(error, ForbiddenWeightsPath) else 400
+                raise HTTPError(status, str(error), param="path") from None
             hold = not await engine.is_paused()  # the orchestrator pauses first; a lone call pauses here
             started = time.monotonic()
             if hold:
