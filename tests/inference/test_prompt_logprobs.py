@@ -13,7 +13,7 @@ import torch
 from inference_support import wait_until
 
 from tandem.inference.engine import Collector, Engine
-from tandem.inference.outputs import PromptLogprobs, RequestUpdate
+from tandem.inference.outputs import PromptLogprobs
 from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.models.logprobs import reference_token_logprobs, score_tokens, token_logprobs
 
@@ -52,23 +52,7 @@ def assert_matches_hf(hf_model, prompt: list[int], scores: PromptLogprobs, top_n
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Collector]:
     """Submit every prompt at once (so they share steps) and wait for all."""
-    collectors = [Collector(n) for _ in prompts]
-    done = [threading.Event() for _ in prompts]
-
-    def deliver(index: int):
-        def add(update: RequestUpdate) -> None:
-            collectors[index].add(update)
-            if update.finished:
-                done[index].set()
-
-        return add
-
-    for index, prompt in enumerate(prompts):
-        engine.submit(prompt, params, deliver(index), n=n)
-    for event in done:
-        assert event.wait(120), "generation did not finish"
-    assert not any(c.error for c in collectors)
-    return collectors
+    return engine.collect(prompts, params, n, timeout=120)
 
 
 def prompts_of(lengths: tuple[int, ...], vocab: int, seed: int = 0) -> list[list[int]]:

@@ -295,6 +295,19 @@ class Engine:
         timeout: float | None = None,
     ) -> list[list[SampleRecord]]:
         """Blocking convenience: run prompts to completion, returning `n` samples per prompt."""
+        return [c.samples for c in self.collect(prompts, params, n, detokenize=detokenize, timeout=timeout)]
+
+    def collect(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int = 1,
+        *,
+        detokenize: bool = False,
+        timeout: float | None = None,
+    ) -> list[Collector]:
+        """Blocking: run prompts to completion (sharing steps), returning each one's collector (its `n` samples,
+        and its prompt logprobs when asked for); RuntimeError if any failed."""
         for prompt in prompts:  # all of them, before anything is made for any
             self.check(prompt, params, n=n, detokenize=detokenize)
         collectors = [Collector(n) for _ in prompts]
@@ -317,7 +330,7 @@ class Engine:
         errors = [c.error for c in collectors if c.error]
         if errors:
             raise RuntimeError(errors[0])
-        return [c.samples for c in collectors]
+        return collectors
 
     def stats(self) -> EngineStats:
         now = time.monotonic()
