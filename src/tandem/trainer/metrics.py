@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tandem.jsonl import keep_steps_up_to
+from tandem.jsonl import JsonlWriter, keep_steps_up_to
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +34,14 @@ def flops_per_token(non_embedding_params: int, num_layers: int, num_heads: int, 
     return 6 * non_embedding_params + 12 * num_layers * num_heads * head_dim * seq_len
 
 
-class MetricsWriter:
-    """Append one JSON object per step to metrics.jsonl (rank 0 only), flushing every line."""
+class MetricsWriter(JsonlWriter):
+    """metrics.jsonl (rank 0 only), one line per step: a fresh run starts it empty; a run resumed from step N's
+    checkpoint keeps the steps up to N, so no step is counted twice."""
 
     def __init__(self, path: Path, resume_step: int = 0):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step:
             keep_steps_up_to(path, resume_step)
-        else:
-            path.unlink(missing_ok=True)
-        self._handle = path.open("a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        self._handle.close()
+        super().__init__(path, truncate=not resume_step)
 
 
 class StepTimer:
