@@ -233,6 +233,29 @@ def test_streamed_echo_starts_with_the_scored_prompt(server, tokenizer):
     assert offsets == whole["logprobs"]["text_offset"]
 
 
+def test_echoed_prompt_logprobs_are_rendered_off_the_event_loop_once_per_prompt(server, tokenizer, monkeypatch):
+    """Rendering them decodes every prompt token (and its top-N): on the loop, a long prompt would stall /health."""
+    from tandem.inference import openai_api
+
+    calls = []
+    render = openai_api.echo_logprobs
+
+    def recorded(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            calls.append("on the loop")
+        except RuntimeError:
+            calls.append("off the loop")
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(openai_api, "echo_logprobs", recorded)
+    prompt = tokenizer("the lazy dog").input_ids
+    for stream in (False, True):
+        body = _echo_body(prompt, max_tokens=2, n=3, stream=stream)
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    assert calls == ["off the loop", "off the loop"]
+
+
 def test_max_tokens_zero_needs_echo(server):
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 0})
     assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +57,7 @@ from tandem.inference.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     EngineStatus,
@@ -148,14 +149,17 @@ class Batch:
 
 
 async def _stream(
-    batch: Batch, render: Callable[[int, SampleUpdate], BaseModel | None], tail: Callable[[], list[BaseModel]]
+    batch: Batch,
+    render: Callable[[int, SampleUpdate], Awaitable[BaseModel | None]],
+    tail: Callable[[], list[BaseModel]],
 ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per sample update, then `tail()` (e.g. usage), then `[DONE]`."""
+    """Server-sent events: one chunk per sample update (`render` may hand slow work to a thread), then `tail()`
+    (e.g. usage), then `[DONE]`."""
     try:
         while not batch.finished:
             index, samples = await batch.next()
             for sample in samples:
-                chunk = render(index, sample)
+                chunk = await render(index, sample)
                 if chunk is not None:
                     yield sse(chunk)
         if batch.error:
@@ -319,6 +323,19 @@ class InferenceServer:
             echoed = await asyncio.to_thread(openai_api.echo_texts, body, prompts, self.tokenizer)
         batch = Batch(self.engine, prompts, params, body.n, stream=body.stream, text=True)
         response_id, want_logprobs = f"cmpl-{uuid.uuid4().hex}", body.logprobs is not None
+        echo_scores: dict[int, CompletionLogprobs | None] = {}
+
+        async def score_echoes(indices: list[int]) -> None:
+            """The echoed prompts' logprobs in the legacy format, once per prompt (its n choices share them) and
+            off the loop: a long prompt is as many token decodes as it has tokens, times its top-N."""
+
+            def render() -> None:
+                for i in indices:
+                    scores = batch.collectors[i].prompt_logprobs
+                    echo_scores[i] = openai_api.echo_logprobs(self.tokenizer, prompts[i], scores, body.logprobs or 0)
+
+            if body.echo and want_logprobs and (indices := [i for i in indices if i not in echo_scores]):
+                await asyncio.to_thread(render)
 
         def choice(number: int, sample: SampleRecord | SampleUpdate, offset: int, *, first: bool) -> CompletionChoice:
             """Choice `number` showing `sample` (after `offset` characters of the choice's own text); with echo, the
@@ -332,8 +349,7 @@ class InferenceServer:
             if body.echo and first:
                 text = echoed[prompt] + text
                 if want_logprobs:
-                    scores = batch.collectors[prompt].prompt_logprobs
-                    lp = openai_api.joined(openai_api.echo_logprobs(self.tokenizer, prompts[prompt], scores, top_n), lp)
+                    lp = openai_api.joined(echo_scores[prompt], lp)
             return CompletionChoice(
                 index=number,
                 text=text,
@@ -355,12 +371,14 @@ class InferenceServer:
         if body.stream:
             text_length: dict[int, int] = {}
 
-            def render(index: int, sample: SampleUpdate) -> BaseModel | None:
+            async def render(index: int, sample: SampleUpdate) -> BaseModel | None:
                 sample, number = openai_api.shown(sample, body), index * body.n + sample.sample
                 first, offset = number not in text_length, text_length.get(number, 0)
                 text_length[number] = offset + len(sample.text)
                 if not (sample.text or sample.finish_reason or want_logprobs or (first and body.echo)):
                     return None
+                if first:
+                    await score_echoes([index])
                 return response([choice(number, sample, offset, first=first)])
 
             with_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -368,6 +386,7 @@ class InferenceServer:
             return StreamingResponse(_stream(batch, render, tail), media_type="text/event-stream")
         if not await batch.finish_unless_gone(request):
             return Response(status_code=CLIENT_GONE)
+        await score_echoes(list(range(len(prompts))))
         choices = [
             choice(index * body.n + s, openai_api.shown(record, body), 0, first=True)
             for index, collector in enumerate(batch.collectors)
@@ -403,7 +422,7 @@ class InferenceServer:
                     id=response_id, created=created, model=self.model_name, choices=choices, usage=usage
                 )
 
-            def render(index: int, sample: SampleUpdate) -> BaseModel | None:
+            async def render(index: int, sample: SampleUpdate) -> BaseModel | None:
                 if not (sample.text or sample.finish_reason or body.logprobs):
                     return None
                 choice = ChatChunkChoice(
