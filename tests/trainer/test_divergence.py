@@ -47,3 +47,11 @@ def test_sft_whose_loss_goes_nan_exits_1_naming_the_step_and_exports_nothing(
     assert not (run_dir / "hf" / f"step-{step:06d}").exists()
     assert not (run_dir / "checkpoints" / f"step-{step:06d}").exists()
     assert not (run_dir / "checkpoints" / "step-000006").exists()
+
+
+def test_the_rl_trainer_entry_point_reports_a_mistake_in_one_line(capsys):
+    from tandem.trainer.rl import main as rl_trainer_main
+
+    assert rl_trainer_main(["--optim.lr", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem trainer: error: invalid value for `optim.lr`") and "Traceback" not in err

@@ -15,7 +15,7 @@ import torch
 
 from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
-from tandem.run import prepare_run_dir, setup_logging
+from tandem.run import exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.gc_schedule import scheduled_gc
 from tandem.trainer.loss import LossInputs, k3, policy_loss
@@ -133,8 +133,8 @@ def train(config: TrainerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tandem.trainer.rl @ trainer.toml`, the torchrun entry point."""
-    config, _ = load_config(TrainerConfig, sys.argv[1:] if argv is None else argv)
-    return train(config)
+    argv = sys.argv[1:] if argv is None else argv
+    return exit_code("trainer", lambda: train(load_config(TrainerConfig, argv)[0]))
 
 
 if __name__ == "__main__":
