@@ -329,6 +329,28 @@ def test_a_step_that_fails_once_loses_no_request(make_engine):
     assert len(calls) > 2 and engine.alive
 
 
+def test_a_request_that_finished_in_a_failed_step_is_delivered_and_holds_up_nothing(make_engine):
+    """The step fails after its only request finished (here: its first update raises): that request is delivered,
+    is not put on probation (it has nothing left to run, so probation would wait for it forever) and the next
+    request runs."""
+    engine = make_engine()
+    emit, calls = engine._emit, []
+
+    def flaky(request, error=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return emit(request, error)
+
+    engine._emit = flaky
+    prompt = _prompts(1, engine.vocab_size, seed=23)[0]
+    (first,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1), timeout=60)
+    assert len(first) == 1 and len(first[0].token_ids) == 1
+    (second,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), timeout=60)
+    assert second[0].token_ids[:1] == first[0].token_ids and len(second[0].token_ids) == 3
+    assert not engine.scheduler.probation and engine.alive
+
+
 def test_an_engine_that_cannot_step_at_all_stops_and_says_why(make_engine):
     """When the engine fails even with no request (a broken device), the failure is not pinned on a request:
     the engine stops, every request fails with the reason, and `alive` (so /health) reports it."""

@@ -457,6 +457,7 @@ class Engine:
                 scheduler.abort(probe)
         else:
             suspects = scheduler.requeue_running() or list(self._requests.values())
+            suspects = [r for r in suspects if not r.done]  # a finished one has nothing left to run on probation
             logger.error("%s; retrying its %d requests one at a time", message, len(suspects), exc_info=error)
             scheduler.probation.extend(suspects)
         for request in [r for r in self._requests.values() if r.done]:
