@@ -300,7 +300,7 @@ def test_a_poisoned_request_fails_alone_and_the_others_complete_unchanged(make_e
         assert [s.token_ids for s in have.samples] == [s.token_ids for s in expected.samples]
         for a, b in zip(have.samples, expected.samples, strict=True):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
-    for _ in range(5):  # more poisoned requests than the old three-strikes rule allowed
+    for _ in range(5):  # one failing request after another: none of them ends the engine
         with pytest.raises(RuntimeError, match="poisoned row"):
             engine.generate([prompts[4]], poisoned[0][1])
     assert engine.alive

@@ -83,7 +83,7 @@ def test_every_out_of_range_field_is_a_400_and_the_server_carries_on(server):
     good = _generate({"temperature": 1.0, "seed": 3})
     before = _post(server, "/generate", good)
     assert before.status_code == 200
-    for _ in range(3):  # the old engine died after three failed steps: each of these was one, or an OOM
+    for _ in range(3):  # repeated: a bad request that reached the engine would fail a step (or run it out of memory)
         for path, body, words in BAD_REQUESTS:
             reply = _post(server, path, body)
             assert reply.status_code == 400, (path, body, reply.text)
