@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.checkpoints import checkpoints_root
 from tandem.config import RunConfig, to_toml
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig, RlDeployConfig
@@ -116,7 +117,7 @@ def _stop(children: list[Child], timeout_s: float = 30.0) -> None:
 def _resume_step(config: RlConfig) -> int:
     """The trainer checkpoint to continue from (the given step's, else the newest intact one, verified against its
     manifest); drop what was produced after it."""
-    step, _ = resolve_resume(config.run_dir / "checkpoints", config.resume.step)
+    step, _ = resolve_resume(checkpoints_root(config.run_dir), config.resume.step)
     for later in range(step + 1, config.max_steps + 1):
         batch_path(config.run_dir / "batches", later).unlink(missing_ok=True)
         shutil.rmtree(policy_dir(config.run_dir / "policies", later), ignore_errors=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.checkpoints import checkpoints_root, list_checkpoints
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.envs import Task
 from tandem.eval.client import RequestError
@@ -35,7 +36,6 @@ from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Draw, DrawLedger, Source, TaskSampler, load_sources
 from tandem.run import prepare_run_dir
-from tandem.trainer.ckpt import list_checkpoints
 from tandem.transport.batches import write_batch
 from tandem.transport.broadcast import Rendezvous, announce_path
 from tandem.transport.policies import latest_policy, policy_dir
@@ -344,7 +344,7 @@ class Orchestrator:
     def _oldest_needed_step(self) -> int:
         """The oldest step a later resume may start from: the oldest kept trainer checkpoint, or (before one
         exists) the newest policy, whose checkpoint the trainer may be writing now."""
-        return min(min(list_checkpoints(self.run_dir / "checkpoints"), default=math.inf), self.pool.version)
+        return min(min(list_checkpoints(checkpoints_root(self.run_dir)), default=math.inf), self.pool.version)
 
     def _save_state(self, step: int, points: dict[str, Any]) -> None:
         """Record where a run resumed after batch `step` starts drawing; forget only what no checkpoint needs."""

@@ -48,13 +48,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from tandem.checkpoints import checkpoint_dir, checkpoints_root, list_checkpoints
 from tandem.config.errors import ConfigError
 from tandem.files import atomic_write_text
 from tandem.trainer.expert_parallel import Piece, expert_params, expert_piece
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _SAVING_DIR = re.compile(r"^step-(\d+)\.tmp$")
 _TRASH = ".trash-"
 MANIFEST = "manifest.json"
@@ -185,18 +185,6 @@ def verify_checkpoint(path: Path) -> None:
     first_bad = _min_over_ranks(next(mine, len(names)))
     if first_bad < len(names):
         raise CheckpointError(f"checkpoint {path} is damaged: {path / names[first_bad]} fails its CRC-32 checksum")
-
-
-def list_checkpoints(root: Path) -> dict[int, Path]:
-    """Complete checkpoints under root, by step."""
-    if not root.is_dir():
-        return {}
-    found = {}
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / "state.json").is_file():
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
 
 
 def _rng_state() -> dict[str, list[int]]:
@@ -330,7 +318,8 @@ def save_checkpoint(
     """Write step-<step>/ atomically (every rank its own shards, each checksumming what it wrote, then rank 0 the
     state and the manifest) and keep only the newest `keep` checkpoints."""
     rank, world = _rank(), _world_size()
-    final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
+    final = checkpoint_dir(root, step)
+    tmp = final.with_name(f"{final.name}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -511,7 +500,7 @@ def resolve_resume(root: Path, step: int | None) -> tuple[int, Path]:
 def resume_step(config, model: torch.nn.Module, optimizer, scheduler) -> int:
     """Clear what an interrupted save or clean-up left, then restore the checkpoint `config.resume` asks for (if
     any); the step training continues after."""
-    root = config.run_dir / "checkpoints"
+    root = checkpoints_root(config.run_dir)
     if _rank() == 0:
         remove_leftovers(root)
     _barrier()

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from tandem.checkpoints import checkpoints_root
 from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
 from tandem.run import exit_code, prepare_run_dir, setup_logging
@@ -80,7 +81,7 @@ def train(config: TrainerConfig) -> int:
     model, info = build_training_model(config, world)
     optimizer, scheduler = build_optimizer(model, config)
     run_dir = config.run_dir
-    ckpt_root, batches = run_dir / "checkpoints", run_dir / "batches"
+    ckpt_root, batches = checkpoints_root(run_dir), run_dir / "batches"
     start_step = ckpt.resume_step(config, model, optimizer, scheduler)
     publisher = make_publisher(config, world, model, info)
     publisher.resumed(start_step)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from tandem.checkpoints import checkpoints_root
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.sft import SftConfig, SftSpeedConfig
 from tandem.models import ModelArgs
@@ -181,7 +182,7 @@ def train(config: SftConfig) -> int:
         config, world, shard=speed.fsdp_single_process, **_model_runtime(speed, world.device)
     )
     optimizer, scheduler = build_optimizer(model, config, fused=speed.fused_optimizer)
-    ckpt_root = config.run_dir / "checkpoints"
+    ckpt_root = checkpoints_root(config.run_dir)
     start_step = ckpt.resume_step(config, model, optimizer, scheduler)
     monitor = Monitor(config, world, info, start_step)
     try:
