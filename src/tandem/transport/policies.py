@@ -8,7 +8,6 @@ so a reader that sees the marker sees the whole checkpoint.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -43,12 +42,3 @@ def wait_for_policy(root: Path, step: int, timeout_s: float, poll_s: float = 0.0
         time.sleep(poll_s)
     return path
 
-
-def prune_policies(root: Path, keep_from: int) -> None:
-    """Delete complete policies older than `keep_from` (inference has moved past them)."""
-    if not root.is_dir():
-        return
-    for path in root.iterdir():
-        match = _STEP.match(path.name)
-        if match and int(match.group(1)) < keep_from and (path / COMPLETE).exists():
-            shutil.rmtree(path, ignore_errors=True)
