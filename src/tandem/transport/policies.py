@@ -8,7 +8,6 @@ so a reader that sees the marker sees the whole checkpoint.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 COMPLETE = "COMPLETE"
@@ -29,16 +28,4 @@ def latest_policy(root: Path) -> int:
         return 0
     steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / COMPLETE).exists()]
     return max(steps, default=0)
-
-
-def wait_for_policy(root: Path, step: int, timeout_s: float, poll_s: float = 0.05) -> Path:
-    path = policy_dir(root, step)
-    deadline = time.monotonic() + timeout_s
-    while not (path / COMPLETE).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"policy {step} did not appear in {root} within {timeout_s:.0f}s: is the trainer running?"
-            )
-        time.sleep(poll_s)
-    return path
 
