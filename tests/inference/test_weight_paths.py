@@ -154,3 +154,29 @@ def test_the_server_answers_4xx_keeps_its_weights_and_never_goes_back_a_version(
     assert again.status_code == 200 and engine.version == 2 and tokens() == changed
     back = httpx.post(update, json={"path": "policy-2", "version": 1, "rollback": True}, timeout=30)
     assert back.status_code == 200 and engine.version == 1  # a resumed run's first load, on purpose
+
+
+def test_the_vllm_routes_check_a_checkpoint_as_the_built_in_server_does(model_dir, weights_dir, tmp_path, monkeypatch):
+    """Before vLLM's workers load a checkpoint: a file linking out of it is a 403, an unreadable shard a 400 naming
+    the file (not a 500), and a good one passes."""
+    from tandem.inference.vllm.routes import SETTINGS_ENV, RouteSettings, TandemRoutes
+
+    settings = RouteSettings(
+        model_dir=str(model_dir("qwen3")), model_name="tiny", weights_dir=str(weights_dir), admin_token=None,
+        exact_replay=True, run_dir=str(tmp_path), max_body_bytes=1024,
+    )  # fmt: skip
+    monkeypatch.setenv(SETTINGS_ENV, settings.to_env())
+    routes = TandemRoutes(app=None)
+    good = _policy(model_dir("qwen3"), weights_dir / "good", scale=2.0)
+    routes._check_same_model(good)
+    outside = _policy(model_dir("qwen3"), tmp_path / "outside")
+    for linked in ("config.json", WEIGHTS):
+        policy = _policy(model_dir("qwen3"), weights_dir / f"linked-{linked}")
+        (policy / linked).unlink()
+        (policy / linked).symlink_to(outside / linked)
+        with pytest.raises(ForbiddenWeightsPath, match=rf"{re.escape(linked)}.*is outside"):
+            routes._check_same_model(policy)
+    truncated = _policy(model_dir("qwen3"), weights_dir / "truncated")
+    _truncate(truncated)
+    with pytest.raises(WeightsError, match=rf"{re.escape(str(truncated / WEIGHTS))}.*not a readable safetensors"):
+        routes._check_same_model(truncated)

@@ -47,8 +47,9 @@ def resolve_weights_path(path: str, allowed_root: Path) -> Path:
     return target
 
 
-def _checkpoint_args(path: Path, current: ModelArgs) -> ModelArgs:
-    """The checkpoint's ModelArgs with the served runtime options, or WeightsError naming its config.json."""
+def checkpoint_args(path: Path, current: ModelArgs) -> ModelArgs:
+    """The checkpoint's ModelArgs with the served runtime options: WeightsError naming its config.json unless it
+    describes the served model `current` (ForbiddenWeightsPath for a config.json that links out of `path`)."""
     config = path / "config.json"
     try:
         config = resolve_inside(config, path)
@@ -80,7 +81,7 @@ def _check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
 def read_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
     """Every runtime tensor of the checkpoint at `path`, on CPU, checked against `model`'s names and shapes and
     for finite values; every file opened lies inside `path`."""
-    args = _checkpoint_args(path, model.args)
+    args = checkpoint_args(path, model.args)
     params = dict(model.named_parameters())
     tensors = {}
     try:

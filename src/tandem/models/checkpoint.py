@@ -151,7 +151,7 @@ def _read_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _open_safetensors(file: Path) -> Any:
+def open_safetensors(file: Path) -> Any:
     """`safe_open(file)`, or CheckpointError naming the file (missing, truncated, empty or a corrupt header)."""
     try:
         return safe_open(file, "pt")
@@ -180,14 +180,14 @@ class _Reader:
                 raise CheckpointError(f"missing weights: no *.safetensors files (or {INDEX_FILE}) in {path}")
             self.files = {}
             for file in map(checked, files):
-                with _open_safetensors(file) as f:
+                with open_safetensors(file) as f:
                     self.files.update(dict.fromkeys(f.keys(), file))
         self._open: dict[Path, Any] = {}
 
     def get(self, key: str) -> torch.Tensor:
         file = self.files[key]
         if file not in self._open:
-            self._open[file] = _open_safetensors(file)
+            self._open[file] = open_safetensors(file)
         try:
             return self._open[file].get_tensor(key)
         except Exception as error:  # a shard without the key its index names, or unreadable data

@@ -33,7 +33,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,7 +60,7 @@ from tandem.inference.protocol import (
     UpdateWeightsResponse,
     context_room,
 )
-from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, resolve_weights_path
+from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, checkpoint_args, resolve_weights_path
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +91,12 @@ class RouteSettings:
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape over a checkpoint directory's safetensors (headers only); OutsideDirectoryError for a
-    file that links out of the directory."""
-    from tandem.models import resolve_inside
+    file that links out of the directory, CheckpointError naming a file that is not readable safetensors."""
+    from tandem.models import open_safetensors, resolve_inside
 
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(resolve_inside(file, path), framework="pt") as handle:
+        with open_safetensors(resolve_inside(file, path)) as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
@@ -284,26 +283,21 @@ class TandemRoutes:
         return json_response(UpdateWeightsResponse(policy_version=body.version, load_s=load_s, pause_s=pause_s))
 
     def _check_same_model(self, path: Path) -> None:
-        """WeightsError unless `path` holds the served architecture with the served tensor names and shapes."""
-        from tandem.models import RUNTIME_OPTIONS, CheckpointError, model_args
-        from tandem.models import ConfigError as ModelConfigError
+        """WeightsError unless `path` holds the served architecture with the served tensor names and shapes
+        (ForbiddenWeightsPath for a file that links out of it), as the built-in server checks."""
+        from tandem.models import CheckpointError, OutsideDirectoryError, model_args
 
+        if self._served is None:  # the served directory, which the user named, is trusted
+            served_dir = Path(self.settings.model_dir)
+            self._served = (model_args(served_dir), checkpoint_shapes(served_dir))
+        served_args, served_shapes = self._served
+        checkpoint_args(path, served_args)
         try:
-            if self._served is None:
-                served_dir = Path(self.settings.model_dir)
-                self._served = (model_args(served_dir), checkpoint_shapes(served_dir))
-            served_args, served_shapes = self._served
-            runtime = {name: getattr(served_args, name) for name in ("dtype", *RUNTIME_OPTIONS)}
-            args, shapes = model_args(path).replace(**runtime), checkpoint_shapes(path)
-        except (CheckpointError, ModelConfigError, OSError) as error:
-            raise WeightsError(f"cannot load {path}: {error}") from error
-        differ = [
-            f.name
-            for f in dataclasses.fields(args)
-            if f.compare and getattr(args, f.name) != getattr(served_args, f.name)
-        ]
-        if differ:
-            raise WeightsError(f"{path} holds a different model than the one being served (differs in {differ})")
+            shapes = checkpoint_shapes(path)
+        except OutsideDirectoryError as error:
+            raise ForbiddenWeightsPath(f"cannot load {path}: {error}") from None
+        except (CheckpointError, OSError) as error:
+            raise WeightsError(f"cannot load {path}: {error}") from None
         if shapes != served_shapes:
             wrong = sorted(set(shapes) ^ set(served_shapes)) or sorted(
                 n for n in shapes if shapes[n] != served_shapes[n]
