@@ -209,7 +209,9 @@ def test_unreadable_files_are_named(model_dir, tmp_path):
     bad = shutil.copytree(model_dir("qwen3"), tmp_path / "bad")
     weights = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(weights[: len(weights) - 100])
-    with pytest.raises(CheckpointError, match=re.escape(f"{bad / 'model.safetensors'} is not a readable safetensors file")):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{bad / 'model.safetensors'} is not a readable safetensors file")
+    ):
         load_model(bad)
     (bad / "model.safetensors").write_bytes(weights)
     (bad / "model.safetensors.index.json").write_text('{"weight_map": ')
