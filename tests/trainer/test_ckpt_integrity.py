@@ -231,3 +231,18 @@ def test_sft_resume_past_a_damaged_newest_checkpoint_continues_exactly(tiny_mode
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in first]
     verify_checkpoint(tmp_path / "run" / "checkpoints" / "step-000004")  # written again, whole
+
+
+
+def test_a_resume_removes_the_checkpoints_past_it_so_keep_spares_its_own(root):
+    """Resuming from step 1 drops steps 2 and 3 (an abandoned history): with keep = 1 the resumed run's next
+    checkpoint is the one kept, not deleted in favour of the old step 3, and a later resume takes it."""
+    config = SimpleNamespace(run_dir=root.parent, resume=SimpleNamespace(enabled=True, step=1))
+    model, optimizer, scheduler = _trainer(seed=1)
+    assert resume_step(config, model, optimizer, scheduler) == 1
+    assert sorted(list_checkpoints(root)) == [1]
+    _train_step(model, optimizer, scheduler)
+    save_checkpoint(root, 2, model, optimizer, scheduler, {}, keep=1)
+    assert sorted(list_checkpoints(root)) == [2]
+    config.resume.step = None
+    assert resume_step(config, *_trainer(seed=2)) == 2

@@ -506,5 +506,18 @@ def resume_step(config, model: torch.nn.Module, optimizer, scheduler) -> int:
     _barrier()
     if not config.resume.enabled:
         return 0
-    _, path = resolve_resume(root, config.resume.step)
+    step, path = resolve_resume(root, config.resume.step)
+    if _rank() == 0:
+        _discard_after(root, step)
+    _barrier()
     return load_checkpoint(path, model, optimizer, scheduler)["step"]
+
+
+def _discard_after(root: Path, step: int) -> None:
+    """Remove the checkpoints past the one a run resumes from (damaged ones passed over, or later ones when an
+    earlier step was asked for): they hold a history the resumed run replaces, and left in place they would
+    count as the newest for `keep` (deleting the resumed run's own checkpoints) and for the next `--resume`."""
+    for later, path in list_checkpoints(root).items():
+        if later > step:
+            logger.warning("removing checkpoint %s: the run continues from step %d instead", path, step)
+            _discard(path)
