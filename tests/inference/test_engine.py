@@ -351,6 +351,17 @@ def test_a_request_that_finished_in_a_failed_step_is_delivered_and_holds_up_noth
     assert not engine.scheduler.probation and engine.alive
 
 
+def test_n_samples_that_could_never_start_together_are_refused(make_engine):
+    """A request is admitted only with blocks for its first prompt chunk and one per other sample free at once;
+    one needing more than the cache has would wait at the head of the queue forever, with everything after it."""
+    engine = make_engine(block_size=4, kv_cache_blocks=16)  # 14 usable blocks
+    prompt, params = [5, 6, 7, 8, 9], SamplingParams(temperature=1.0, max_tokens=3, seed=0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"n=14 samples of this prompt need 15 KV-cache blocks"):
+        engine.check(prompt, params, n=14)
+    (samples,) = engine.generate([prompt], params, n=13, timeout=120)  # 2 + 12 blocks: just fits
+    assert len(samples) == 13 and all(len(s.token_ids) == 3 for s in samples)
+
+
 def test_an_engine_that_cannot_step_at_all_stops_and_says_why(make_engine):
     """When the engine fails even with no request (a broken device), the failure is not pinned on a request:
     the engine stops, every request fails with the reason, and `alive` (so /health) reports it."""

@@ -376,6 +376,12 @@ class Engine:
             )
         if n > self.config.max_running:
             raise ValueError(f"n={n} is more than the server runs at once (max_running={self.config.max_running})")
+        admit = self.scheduler.blocks_to_admit(min(len(prompt), self.config.max_prefill_tokens), n)
+        if admit > self.usable_blocks:  # it would wait forever, and every request queued after it too
+            raise ValueError(
+                f"n={n} samples of this prompt need {admit} KV-cache blocks free at once to start (its first prompt "
+                f"chunk, and a block for each other sample); the server has {self.usable_blocks} (lower n)"
+            )
         if params.top_logprobs > self.config.max_logprobs:
             raise ValueError(f"top_logprobs={params.top_logprobs} is above the server's max_logprobs")
         if (params.prompt_logprobs or 0) > self.config.max_logprobs:

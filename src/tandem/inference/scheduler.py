@@ -194,9 +194,13 @@ class Scheduler:
     def _fits(self, seq: Sequence, budget: int, reserved_blocks: int = 0) -> bool:
         """Whether waiting `seq` can join now (with `budget` prompt tokens to prefill, `reserved_blocks` taken)."""
         slots = 1 + seq.request.unforked if seq.sample == 0 else 1
-        needed = self._blocks_for(min(seq.pending, budget)) + (slots - 1)
-        free = self.allocator.num_free - reserved_blocks - needed
+        free = self.allocator.num_free - reserved_blocks - self.blocks_to_admit(min(seq.pending, budget), slots)
         return len(self.running) + slots <= self.max_running and free >= self.watermark
+
+    def blocks_to_admit(self, tokens: int, samples: int) -> int:
+        """Free blocks a waiting sequence needs to join with a chunk of `tokens` prompt tokens: the chunk's, plus one
+        per other sample of its request (each forks with its own copy of the prompt's last block)."""
+        return self._blocks_for(tokens) + samples - 1
 
     def admits_next(self, reserved_blocks: int = 0) -> bool:
         """Whether the next step would admit a waiting sequence, `reserved_blocks` free blocks being taken first."""
