@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tandem.eval.client import QUEUE_DEPTH_HEADER
+from tandem.testing.progress import wait_for
 
 Messages = list[dict[str, Any]]
 
@@ -63,11 +63,10 @@ class FakeServer:
 
     def start(self) -> FakeServer:
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("fake server did not start")
-            time.sleep(0.01)
+        # No clock: starting takes long only on a loaded machine; a server that failed to start has ended.
+        wait_for(lambda: self._server.started or not self._thread.is_alive(), poll_s=0.01)
+        if not self._server.started:
+            raise RuntimeError("fake server did not start (its thread ended)")
         return self
 
     def stop(self) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
-import time
 from collections import Counter
+
+from fake_server import FakeServer
 
 from tandem.cli import main
 from tandem.eval.traces import read_traces
+from tandem.testing.progress import spawn
 
 TASKS, ROLLOUTS = 20, 2
 
@@ -28,33 +29,27 @@ def test_kill_9_then_resume_runs_each_rollout_exactly_once(tmp_path, fake_server
     run_dir = tmp_path / "ev"
     traces = run_dir / "traces.jsonl"
     command = [sys.executable, "-m", "tandem", "eval", *eval_argv(fake_server.url)]
-    process = subprocess.Popen(
-        [*command, "--output-dir", str(tmp_path), "--run-name", "ev"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 30
-    while len(read_traces(traces)) < 6:
-        assert process.poll() is None, process.stderr.read().decode()
-        assert time.monotonic() < deadline, "the eval wrote no traces in 30 s"
-        time.sleep(0.01)
-    fake_server.delay = lambda messages: 0.5  # the first eval has seconds left while a second one tries
-    assert main(["eval", *eval_argv(fake_server.url), "--resume", str(run_dir)]) == 2
-    assert process.poll() is None
-    assert f"{run_dir} is in use by another eval (pid {process.pid})" in capsys.readouterr().err
-    process.send_signal(signal.SIGKILL)
-    assert process.wait(timeout=10) == -signal.SIGKILL
-    process.stderr.close()
+    with spawn([*command, "--output-dir", str(tmp_path), "--run-name", "ev"], watch=[run_dir]) as process:
+        process.wait_until(lambda: len(read_traces(traces)) >= 6, "6 traces")
+        fake_server.delay = lambda messages: 0.5  # the first eval has seconds left while a second one tries
+        assert main(["eval", *eval_argv(fake_server.url), "--resume", str(run_dir)]) == 2
+        assert not process.ended()
+        assert f"{run_dir} is in use by another eval (pid {process.pid})" in capsys.readouterr().err
+        assert process.kill() == -signal.SIGKILL
     before = read_traces(traces)
     assert 6 <= len(before) < TASKS * ROLLOUTS
     with open(traces, "a") as handle:
         handle.write('{"key": "half-written by a dying writ')  # as if killed mid-line
 
-    time.sleep(0.2)  # let the server finish reading any request the dead process had sent
-    requests_before = len(fake_server.requests)
-    assert main(["eval", *eval_argv(fake_server.url), "--resume", str(run_dir)]) == 0
+    # A fresh server counts the resumed run's requests alone: one the killed eval had sent may still arrive
+    # at the first (the server is not part of what a resumed eval must keep).
+    server = FakeServer().start()
+    try:
+        assert main(["eval", *eval_argv(server.url), "--resume", str(run_dir)]) == 0
+    finally:
+        server.stop()
+    assert len(server.requests) == TASKS * ROLLOUTS - len(before)  # only what was missing
     after = read_traces(traces)
-    assert len(fake_server.requests) - requests_before == TASKS * ROLLOUTS - len(before)  # only what was missing
     assert after[: len(before)] == before
     counts = Counter((r["source"], r["task"]["id"], r["rollout"]) for r in after)
     expected = {("reverse_text", f"reverse_text-0-{i}", k) for i in range(TASKS) for k in range(ROLLOUTS)}
