@@ -5,24 +5,24 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tandem.jsonl import read_records
+from tandem.testing.progress import run_while_progressing, spawn, tree_state, wait_for
 from tandem.trainer.ckpt import list_checkpoints
 
 
-def tandem_rl(model_dir, out, *flags, timeout=300):
+def tandem_rl(model_dir, out, *flags):
+    """Run `tandem rl` to its end while it makes progress (its output, or anything under `out`, changes)."""
     command = [
         sys.executable, "-m", "tandem", "rl", "--model", str(model_dir), "--model.dtype", "float32",
         "--seq-len", "256", "--output-dir", str(out), "--run-name", "rl", "--orchestrator.batch-size", "16",
         "--orchestrator.group-size", "4", "--trainer.optim.lr", "1e-3", *flags,
     ]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return run_while_progressing(command, watch=[out])
 
 
 def records(path):
@@ -98,22 +98,20 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
                "--max-steps", "12", "--trainer.ckpt.interval", "3", "--trainer.optim.lr", "3e-2",
                "--orchestrator.log-samples", "2"]  # fmt: skip
     run_dir = tmp_path / "rl"
-    launcher = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
-    )
-    # Bounded by progress: the launcher ending first fails the test, not a clock.
-    while not any(r["step"] == 7 for r in read_records(run_dir / "metrics.jsonl")):  # checkpoint 6 is written
-        assert launcher.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(launcher.pid, signal.SIGKILL)
-    launcher.wait()
-    while _processes_mentioning(str(run_dir)):  # the children follow their parent (PR_SET_PDEATHSIG)
-        time.sleep(0.1)
+
+    def past_checkpoint_6() -> bool:
+        return any(r["step"] == 7 for r in read_records(run_dir / "metrics.jsonl"))
+
+    with spawn(command, watch=[run_dir], env=env) as launcher:
+        launcher.wait_until(past_checkpoint_6, "step 7")
+        launcher.kill()
+    # the children follow their parent (PR_SET_PDEATHSIG); dying, they may still write
+    wait_for(lambda: not _processes_mentioning(str(run_dir)), lambda: tree_state([run_dir]))
     newest = max(list_checkpoints(run_dir / "checkpoints"))
     assert newest < max(r["step"] for r in read_records(run_dir / "metrics.jsonl")), "killed between checkpoints"
     assert max(r["step"] for r in read_records(run_dir / "orchestrator_metrics.jsonl")) > newest  # sampled ahead
 
-    result = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, env=env)
+    result = run_while_progressing([*command, "--resume"], watch=[run_dir], env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     trainer = records(run_dir / "metrics.jsonl")
     rollouts = [r for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"]
@@ -149,14 +147,12 @@ def test_ctrl_c_stops_every_process(tiny_model_dir, tmp_path):
                "float32", "--seq-len", "256", "--output-dir", str(tmp_path), "--run-name", "rl",
                "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4", "@", write_sources(tmp_path),
                "--max-steps", "1000"]  # fmt: skip
-    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "rl"
-    deadline = time.monotonic() + 240
-    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-        assert launcher.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    launcher.send_signal(signal.SIGINT)
-    _, stderr = launcher.communicate(timeout=60)
-    assert launcher.returncode == 130, stderr[-2000:]
-    assert "interrupted" in stderr
+    metrics = run_dir / "metrics.jsonl"
+    with spawn(command, watch=[run_dir]) as launcher:
+        launcher.wait_until(lambda: metrics.exists() and metrics.stat().st_size > 0, "the first trainer step")
+        os.kill(launcher.pid, signal.SIGINT)  # the launcher alone: it stops its children itself
+        result = launcher.wait()
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert "interrupted" in result.stderr
     assert not _processes_mentioning(str(run_dir))  # every child was stopped before tandem rl returned

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from tandem.config.trainer import TrainerConfig
 from tandem.models import load_model
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch
+from tandem.testing.progress import run_while_progressing
 from tandem.trainer.rl import micro_batch_loss
 from tandem.transport.batches import read_batch, write_batch
 from tandem.transport.policies import COMPLETE
@@ -119,7 +119,7 @@ def run_trainer(model_dir, out, name, nproc, batches):
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         command += ["-m", "tandem.trainer.rl", *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = run_while_progressing(command, watch=[run_dir])  # torchrun's ranks die with it if it stalls
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
