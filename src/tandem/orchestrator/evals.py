@@ -16,13 +16,14 @@ from tandem.jsonl import JsonlWriter
 async def run_online_eval(
     config: OnlineEvalConfig, base_url: str, api_key: str | None, out_dir: Path
 ) -> dict[str, Any]:
-    """Every source's rollouts once; traces under `out_dir`; flat `eval/<source>/<metric>` numbers back."""
+    """Every source's rollouts once; traces under `out_dir`, started anew (a resumed run evaluates a step again);
+    flat `eval/<source>/<metric>` numbers back."""
     sources = [load_source(source) for source in config.source]
     limiter = AdaptiveLimiter(AimdController(config.concurrency))
     records: list[dict[str, Any]] = []
     async with OpenAIClient(base_url, api_key=api_key, on_feedback=limiter.record) as client:
         model = (await client.models())[0]
-        with JsonlWriter(out_dir / "traces.jsonl") as writer:
+        with JsonlWriter(out_dir / "traces.jsonl", truncate=True) as writer:  # every rollout runs again
             await run_rollouts(pending_rollouts(sources, set()), client, model, limiter, writer, records.append)
     metrics: dict[str, Any] = {}
     for source in sources:
