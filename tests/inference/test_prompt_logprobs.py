@@ -256,6 +256,33 @@ def test_echoed_prompt_logprobs_are_rendered_off_the_event_loop_once_per_prompt(
     assert calls == ["off the loop", "off the loop"]
 
 
+def test_a_whole_response_s_logprobs_are_rendered_off_the_event_loop(server, tokenizer, monkeypatch):
+    """Non-streamed, every choice's every token (and its top-N) is decoded at once: a worker thread's job."""
+    from tandem.inference import openai_api
+
+    where: set[str] = set()
+
+    def recorded(render):
+        def run(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                where.add("on the loop")
+            except RuntimeError:
+                where.add("off the loop")
+            return render(*args, **kwargs)
+
+        return run
+
+    for name in ("completion_logprobs", "chat_logprobs"):
+        monkeypatch.setattr(openai_api, name, recorded(getattr(openai_api, name)))
+    body = {"model": "tiny", "max_tokens": 4, "n": 2, "temperature": 0}
+    completion = {**body, "prompt": tokenizer("the lazy dog").input_ids, "logprobs": 2}
+    chat = {**body, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    assert httpx.post(f"{server.url}/v1/completions", json=completion).status_code == 200
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat).status_code == 200
+    assert where == {"off the loop"}
+
+
 def test_max_tokens_zero_needs_echo(server):
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 0})
     assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]

@@ -1,8 +1,8 @@
 """The HTTP server: OpenAI-compatible routes, token-in `/generate`, health, metrics and admin routes.
 
 Handlers run on the asyncio loop; each HTTP request becomes one engine request per prompt (`Batch`), whose
-updates the engine thread hands to the loop. Tokenizing and chat templating run on worker threads, so a huge
-prompt never holds up `/health` or other requests. Reading, parsing and refusing requests, the admin guard and
+updates the engine thread hands to the loop. Tokenizing, chat templating and rendering a whole response's
+logprobs (a decode per token) run on worker threads, so a huge prompt never holds up `/health` or other requests. Reading, parsing and refusing requests, the admin guard and
 the `x-queue-depth` header are `http.py`'s, shared with the vLLM routes: a request's body is size-limited and
 validated strictly (`protocol.py`); every mistake is a 4xx JSON error and the server carries on. A client that
 disconnects cancels its engine requests, which frees their cache.
@@ -387,13 +387,19 @@ class InferenceServer:
         if not await batch.finish_unless_gone(request):
             return Response(status_code=CLIENT_GONE)
         await score_echoes(list(range(len(prompts))))
-        choices = [
-            choice(index * body.n + s, openai_api.shown(record, body), 0, first=True)
-            for index, collector in enumerate(batch.collectors)
-            for s, record in enumerate(collector.samples)
-        ]
-        for finished in choices:
-            finished.finish_reason = finished.finish_reason or "abort"
+
+        def finished() -> list[CompletionChoice]:
+            choices = [
+                choice(index * body.n + s, openai_api.shown(record, body), 0, first=True)
+                for index, collector in enumerate(batch.collectors)
+                for s, record in enumerate(collector.samples)
+            ]
+            for done in choices:
+                done.finish_reason = done.finish_reason or "abort"
+            return choices
+
+        # logprobs decode every token of every choice (and its top-N): off the loop, as tokenizing was
+        choices = await asyncio.to_thread(finished) if want_logprobs else finished()
         return json_response(response(choices, usage()))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -444,17 +450,21 @@ class InferenceServer:
             return StreamingResponse(events(), media_type="text/event-stream")
         if not await batch.finish_unless_gone(request):
             return Response(status_code=CLIENT_GONE)
-        choices = [
-            ChatChoice(
-                index=s,
-                message=AssistantMessage(content=record.text),
-                logprobs=logprobs(record.token_ids, record.logprobs, record.top_logprobs),
-                finish_reason=record.finish_reason or "abort",
-                stop_reason=record.stop_reason,
-                token_ids=record.token_ids if body.return_token_ids else None,
-            )
-            for s, record in enumerate(batch.collectors[0].samples)
-        ]
+
+        def finished() -> list[ChatChoice]:
+            return [
+                ChatChoice(
+                    index=s,
+                    message=AssistantMessage(content=record.text),
+                    logprobs=logprobs(record.token_ids, record.logprobs, record.top_logprobs),
+                    finish_reason=record.finish_reason or "abort",
+                    stop_reason=record.stop_reason,
+                    token_ids=record.token_ids if body.return_token_ids else None,
+                )
+                for s, record in enumerate(batch.collectors[0].samples)
+            ]
+
+        choices = await asyncio.to_thread(finished) if body.logprobs else finished()  # off the loop, as above
         response = ChatCompletionResponse(
             id=response_id,
             created=created,
