@@ -6,7 +6,6 @@ import json
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -18,6 +17,7 @@ from fake_server import FakeServer
 
 from tandem.cli import main
 from tandem.eval.traces import read_traces
+from tandem.testing.progress import run_while_progressing, spawn
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = [
@@ -39,9 +39,18 @@ def free_port() -> int:
 def chromium(tmp_path: Path, *args: str) -> str:
     profile = tmp_path / f"profile-{time.monotonic_ns()}"
     command = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    result = run_while_progressing(command, watch=[profile])  # its renderers die with it if it stalls
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
+
+
+def answers(url: str) -> bool:
+    """Whether a server answers at `url` yet."""
+    try:
+        httpx.get(url)
+    except httpx.TransportError:
+        return False
+    return True
 
 
 def reverse_text_rows(path: Path) -> Path:
@@ -59,9 +68,7 @@ def sft_run(outputs: Path, model_dir: Path, data: Path) -> None:
         "--model", str(model_dir), "--model.dtype", "float32", "--data.path", str(data), "--seq-len", "128",
         "--batch-size", "2", "--max-steps", "3", "--output-dir", str(outputs), "--run-name", "tiny-sft",
     ]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "tandem", "sft", *flags], capture_output=True, text=True, timeout=120
-    )
+    result = run_while_progressing([sys.executable, "-m", "tandem", "sft", *flags], watch=[outputs])
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -97,17 +104,10 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
 
     port = free_port()
     command = [sys.executable, "-m", "tandem", "dashboard", "--outputs", str(outputs), "--port", str(port)]
-    dashboard = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                runs = httpx.get(f"{base}/api/runs").json()["runs"]
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and dashboard.poll() is None, "the dashboard did not start"
-                time.sleep(0.1)
+    with spawn(command) as dashboard:
+        dashboard.wait_until(lambda: answers(f"{base}/api/runs"), "it answered")
+        runs = httpx.get(f"{base}/api/runs").json()["runs"]
         assert {run["name"]: (run["kind"], run["status"]) for run in runs} == {
             "tiny-sft": ("sft", "finished"),
             "tiny-eval": ("eval", "finished"),
@@ -163,6 +163,3 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
             chromium(tmp_path, f"--screenshot={screenshot}", "--window-size=1280,1600", f"{base}{url}")
             assert screenshot.stat().st_size > 10_000
             print(f"screenshot: {screenshot}")
-    finally:
-        dashboard.terminate()
-        dashboard.wait(timeout=10)
