@@ -54,6 +54,19 @@ def test_overwrite_deletes_only_a_run_directory(tmp_path):
     assert (folder / "cat.jpg").read_bytes() == b"\xff\xd8"
 
 
+def test_overwrite_spares_a_folder_with_some_toml_and_logs(tmp_path):
+    """A project folder (a `pyproject.toml`, a `logs/`) is no run directory: refused, and --overwrite deletes nothing."""
+    project = tmp_path / "project"
+    (project / "logs").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("[project]\n")
+    (project / "train.py").write_text("print('mine')\n")
+    with pytest.raises(ConfigError, match="holds an earlier run"):
+        claim_run_dir(project, resume=False, overwrite=False)
+    with pytest.raises(ConfigError, match="not a run directory"):
+        claim_run_dir(project, resume=False, overwrite=True)
+    assert sorted(p.name for p in project.iterdir()) == ["logs", "pyproject.toml", "train.py"]
+
+
 def test_a_new_missing_or_never_started_directory_is_free(tmp_path):
     claim_run_dir(tmp_path / "missing", resume=False, overwrite=False)
     started = tmp_path / "failed-at-startup"  # a run that failed before its first output: config and logs only

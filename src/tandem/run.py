@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -16,6 +17,9 @@ from tandem.config import ConfigError, RunConfig, to_toml
 from tandem.files import atomic_write_text
 
 logger = logging.getLogger("tandem")
+
+RUN_CONFIG = re.compile(r"^(sft|rl|trainer|orchestrator|eval|inference(-\d+)?)\.toml$")
+"""The resolved configs a tandem process writes into its run directory (`prepare_run_dir`, the launcher)."""
 
 
 class RunError(RuntimeError):
@@ -43,10 +47,11 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     its policies and checkpoints with theirs).
 
     A resumed run continues the earlier one in place. Otherwise a directory that holds anything besides
-    resolved configs (`*.toml`) and `logs/` (all a run leaves that failed before its first output) is
+    resolved configs (`RUN_CONFIG`) and `logs/` (all a run leaves that failed before its first output) is
     refused, unless `overwrite`, which first deletes everything in it, provided it is a run's directory (it has
-    a config or `logs/`: a mistyped --output-dir must not delete someone's folder). Only the command that
-    starts a run claims its directory: the processes it starts into that directory do not.
+    a tandem config: a mistyped --output-dir must not delete a folder that merely holds a `pyproject.toml` or a
+    `logs/`). Only the command that starts a run claims its directory: the processes it starts into that
+    directory do not.
     """
     if resume and overwrite:
         raise ConfigError("--resume continues the run in its directory and --overwrite deletes it: give one")
@@ -61,10 +66,10 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
             f"{run_dir} holds an earlier run ({shown}): continue it with --resume, replace it with --overwrite "
             "(deletes it), or pick another --run-name"
         )
-    if not any(_config_or_log(entry) for entry in run_dir.iterdir()):
+    if not any(RUN_CONFIG.match(entry.name) and entry.is_file() for entry in run_dir.iterdir()):
         raise ConfigError(
-            f"{run_dir} holds {shown} but no run's config or logs, so it is not a run directory: --overwrite "
-            "deletes only runs; move it or pick another --run-name"
+            f"{run_dir} holds {shown} but no tandem run config (sft.toml, rl.toml, ...), so it is not a run "
+            "directory: --overwrite deletes only runs; move it or pick another --run-name"
         )
     for entry in run_dir.iterdir():
         if entry.is_dir() and not entry.is_symlink():
@@ -75,7 +80,7 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
 
 
 def _config_or_log(entry: Path) -> bool:
-    return (entry.name == "logs" and entry.is_dir()) or (entry.suffix == ".toml" and entry.is_file())
+    return (entry.name == "logs" and entry.is_dir()) or (bool(RUN_CONFIG.match(entry.name)) and entry.is_file())
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
