@@ -233,22 +233,26 @@ def test_streamed_echo_starts_with_the_scored_prompt(server, tokenizer):
     assert offsets == whole["logprobs"]["text_offset"]
 
 
+def _noting_where(render, where: list[str]):
+    """`render`, noting in `where` whether each call ran on an event loop's thread."""
+
+    def run(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            where.append("on the loop")
+        except RuntimeError:
+            where.append("off the loop")
+        return render(*args, **kwargs)
+
+    return run
+
+
 def test_echoed_prompt_logprobs_are_rendered_off_the_event_loop_once_per_prompt(server, tokenizer, monkeypatch):
     """Rendering them decodes every prompt token (and its top-N): on the loop, a long prompt would stall /health."""
     from tandem.inference import openai_api
 
-    calls = []
-    render = openai_api.echo_logprobs
-
-    def recorded(*args, **kwargs):
-        try:
-            asyncio.get_running_loop()
-            calls.append("on the loop")
-        except RuntimeError:
-            calls.append("off the loop")
-        return render(*args, **kwargs)
-
-    monkeypatch.setattr(openai_api, "echo_logprobs", recorded)
+    calls: list[str] = []
+    monkeypatch.setattr(openai_api, "echo_logprobs", _noting_where(openai_api.echo_logprobs, calls))
     prompt = tokenizer("the lazy dog").input_ids
     for stream in (False, True):
         body = _echo_body(prompt, max_tokens=2, n=3, stream=stream)
@@ -260,27 +264,15 @@ def test_a_whole_response_s_logprobs_are_rendered_off_the_event_loop(server, tok
     """Non-streamed, every choice's every token (and its top-N) is decoded at once: a worker thread's job."""
     from tandem.inference import openai_api
 
-    where: set[str] = set()
-
-    def recorded(render):
-        def run(*args, **kwargs):
-            try:
-                asyncio.get_running_loop()
-                where.add("on the loop")
-            except RuntimeError:
-                where.add("off the loop")
-            return render(*args, **kwargs)
-
-        return run
-
+    where: list[str] = []
     for name in ("completion_logprobs", "chat_logprobs"):
-        monkeypatch.setattr(openai_api, name, recorded(getattr(openai_api, name)))
+        monkeypatch.setattr(openai_api, name, _noting_where(getattr(openai_api, name), where))
     body = {"model": "tiny", "max_tokens": 4, "n": 2, "temperature": 0}
     completion = {**body, "prompt": tokenizer("the lazy dog").input_ids, "logprobs": 2}
     chat = {**body, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
     assert httpx.post(f"{server.url}/v1/completions", json=completion).status_code == 200
     assert httpx.post(f"{server.url}/v1/chat/completions", json=chat).status_code == 200
-    assert where == {"off the loop"}
+    assert where and set(where) == {"off the loop"}
 
 
 def test_max_tokens_zero_needs_echo(server):
