@@ -96,6 +96,14 @@ def test_a_line_that_is_not_utf8_is_a_bad_row_not_a_crash(tokenizer, tmp_path):
         load_samples(read_jsonl(path), tokenizer, seq_len=64, on_bad_row="fail")
 
 
+def test_a_line_nested_past_the_parser_is_a_bad_row_not_a_crash(tokenizer, tmp_path):
+    path = tmp_path / "deep.jsonl"
+    good = json.dumps({"prompt": "a", "completion": "b"})
+    path.write_text("\n".join([good, "[" * 100_000, good]) + "\n")
+    samples, report = load_samples(read_jsonl(path), tokenizer, seq_len=64, on_bad_row="skip")
+    assert len(samples) == 2 and report.examples == {"invalid JSON": [2]}
+
+
 def test_packing_restarts_positions_and_keeps_targets_inside_documents():
     samples = [
         Sample([1, 2, 3], [False, True, True]),

@@ -85,6 +85,8 @@ def _parse_row(line: bytes) -> Any:
         return BadRow("not UTF-8 text", f"invalid byte at column {error.start + 1}")
     except json.JSONDecodeError as error:
         return BadRow("invalid JSON", error.msg)
+    except RecursionError:
+        return BadRow("invalid JSON", "nested deeper than the parser goes")
 
 
 def _chat_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
