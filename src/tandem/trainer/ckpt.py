@@ -18,7 +18,8 @@ unpickles. Ranks write into `step-<N>.tmp/` and rank 0 renames it once all are d
 `step-<N>` is always whole. A directory is removed by renaming it to a hidden `.trash-*` name first, so an
 interrupted clean-up never leaves a partial `step-<N>`; the next start removes what an interrupted save or
 clean-up left. Resuming verifies the newest checkpoint against its manifest (the ranks split the work) and falls
-back to the newest intact one, saying which file was damaged. Checkpoints of earlier versions
+back to the newest intact one, saying which file was damaged; the checkpoints past the one resumed from are
+removed (a history the resumed run replaces). Checkpoints of earlier versions
 (`model.safetensors` and `optimizer.safetensors` with whole tensors, no manifest) load too, unverified.
 """
 
