@@ -288,6 +288,19 @@ def test_nan_inside_a_list_or_tuple_is_refused(tmp_path):
         load_config(SftConfig, ["@", path])
 
 
+def test_nan_inside_free_form_args_is_refused(tmp_path):
+    """An environment's args are a free-form table: a NaN or infinity in them is refused too (the saved TOML
+    could not hold it, so a resume would run without it)."""
+    base = ["--env.id", "arithmetic", "--base-url", "http://127.0.0.1:9/v1"]
+    with pytest.raises(ConfigError, match=r"`env\.args`.*flag --env\.args.*holds inf"):
+        load_config(EvalConfig, [*base, "--env.args", "{num_tasks = 3, scale = inf}"])
+    path = write(tmp_path, "args.toml", '[env]\nid = "arithmetic"\n[env.args]\nnested = {deep = [1.0, nan]}\n')
+    with pytest.raises(ConfigError, match=r"`env\.args`.*args\.toml.*holds nan"):
+        load_config(EvalConfig, ["@", path, "--base-url", "http://127.0.0.1:9/v1"])
+    config, _ = load_config(EvalConfig, [*base, "--env.args", "{num_tasks = 3, scale = 1.5}"])
+    assert config.env.args == {"num_tasks": 3, "scale": 1.5}
+
+
 def test_unreadable_config_files_are_config_errors(tmp_path, monkeypatch):
     (tmp_path / "dir.toml").mkdir()
     with pytest.raises(ConfigError, match=r"dir\.toml is a directory"):
