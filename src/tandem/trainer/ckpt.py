@@ -500,7 +500,7 @@ def resolve_resume(root: Path, step: int | None) -> tuple[int, Path]:
 
 def resume_step(config, model: torch.nn.Module, optimizer, scheduler) -> int:
     """Clear what an interrupted save or clean-up left, then restore the checkpoint `config.resume` asks for (if
-    any); the step training continues after."""
+    any), removing the ones past it; the step training continues after."""
     root = checkpoints_root(config.run_dir)
     if _rank() == 0:
         remove_leftovers(root)
