@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +14,7 @@ import uvicorn
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
+from tandem.testing.progress import Stalled, wait_for
 
 # As in tests/models: weights with std 0.1 give O(1) logits, so greedy choices are not near-ties.
 INIT_STD = 0.1
@@ -39,10 +39,8 @@ class ServerThread:
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.01)
+        wait_until(lambda: self._server.started or not self._thread.is_alive(), message="the test server to start")
+        assert self._server.started, "the test server's thread ended before it started"
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -50,11 +48,12 @@ class ServerThread:
         self._socket.close()
 
 
-def wait_until(condition, timeout: float = 10.0, message: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {message}"
-        time.sleep(0.01)
+def wait_until(condition, message: str = "condition") -> None:
+    """Poll `condition` until it holds; fail only after the stall limit (a loaded machine is slow, not stuck)."""
+    try:
+        wait_for(condition, poll_s=0.01)
+    except Stalled as error:
+        raise AssertionError(f"waiting for {message}: {error}") from None
 
 
 @contextmanager

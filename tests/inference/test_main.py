@@ -7,13 +7,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from tandem.cli import main
 from tandem.jsonl import read_records
+from tandem.testing.progress import tree_state, wait_for
 
 
 def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, tmp_path):
@@ -24,11 +24,8 @@ def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, t
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         server_json = tmp_path / "srv" / "server.json"
-        deadline = time.monotonic() + 60
-        while not server_json.is_file():
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "no server.json within 60 s"
-            time.sleep(0.1)
+        wait_for(lambda: server_json.is_file() or process.poll() is not None, lambda: tree_state([tmp_path]))
+        assert process.poll() is None, process.communicate()[1]
         info = json.loads(server_json.read_text())
         assert info["pid"] == process.pid and info["model"] == model_dir("qwen3").name
         assert httpx.get(f"{info['url']}/health").json()["status"] == "ok"
@@ -36,9 +33,13 @@ def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, t
         reply = httpx.post(f"{info['url']}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=120)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4
         metrics = tmp_path / "srv" / "inference_metrics.jsonl"
-        while len(records := read_records(metrics)) < 2 or sum(r["requests"] for r in records) < 1:
-            assert process.poll() is None and time.monotonic() < deadline + 120, "no serving summary"
-            time.sleep(0.1)
+
+        def summarised() -> bool:
+            records = read_records(metrics)
+            return len(records) >= 2 and sum(r["requests"] for r in records) >= 1
+
+        wait_for(lambda: summarised() or process.poll() is not None)
+        assert process.poll() is None, "the server exited before its serving summary"
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=30)
     finally:
