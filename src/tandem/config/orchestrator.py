@@ -28,6 +28,8 @@ class RolloutSamplingConfig(Section):
     """Drop tokens below min_p times the top token's probability (0: off)."""
     max_tokens: int = Field(256, gt=0)
     """Most tokens per completion; a completion cut here is `truncated`."""
+    ignore_eos: bool = False
+    """Sample max_tokens tokens whatever the model emits (fixed-length rollouts for benchmarks)."""
 
 
 class TrainSourceConfig(EnvConfig):
