@@ -7,13 +7,14 @@ See docs/environments.md.
 
 from tandem.envs.base import ROLLOUT_FIELDS, Message, Score, Task, Taskset, last_assistant_text, metric, reward
 from tandem.envs.config import EnvConfig, load_env
-from tandem.envs.multiturn import Episode, Generate, MultiTurnTaskset, run_episode
+from tandem.envs.multiturn import ContextFull, Episode, Generate, MultiTurnTaskset, run_episode
 from tandem.envs.numbers import extract_boxed, extract_final_number, find_numbers, normalize_number
 from tandem.envs.registry import load_taskset, register_taskset, registered_tasksets, resolve_taskset
 from tandem.envs.select import IdxRange, SelectConfig, SelectError, SelectWarning, TaskFilter, apply_select, parse_idx
 from tandem.envs.synthetic import SyntheticTaskset
 
 __all__ = [
+    "ContextFull",
     "ROLLOUT_FIELDS",
     "EnvConfig",
     "Episode",

@@ -21,6 +21,11 @@ Generate = Callable[[list[Message]], Awaitable[str | Message]]
 Outcome = Literal["ok", "truncated", "timeout"]
 
 
+class ContextFull(Exception):
+    """Raised by a `generate` whose conversation no longer fits the model's context: the episode ends there as
+    `truncated`, and is scored like any other."""
+
+
 class MultiTurnTaskset(Taskset):
     """A taskset whose environment reacts to each reply (games, tools, feedback)."""
 
@@ -68,7 +73,11 @@ async def _play(
     multi = isinstance(taskset, MultiTurnTaskset)
     max_turns = taskset.max_turns if multi else 1
     for turn in range(max_turns):
-        after.append(_as_message(await generate([*prompt, *after]), "assistant"))
+        try:
+            reply = await generate([*prompt, *after])
+        except ContextFull:
+            return "truncated"
+        after.append(_as_message(reply, "assistant"))
         if not multi:
             return "ok"
         answer = await maybe_await(taskset.step(task, [*prompt, *after], state))
