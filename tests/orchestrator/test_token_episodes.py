@@ -109,3 +109,19 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_by_name(tokenizer):
     suffixes = ChatSuffixes(tokenizer)
     with pytest.raises(TemplateSuffixError, match="re-tokenise"):
         suffixes.answer_text([{"role": "user", "content": "lower"}])
+
+
+def test_packed_multi_turn_sample_targets_only_the_generated_tokens():
+    from tandem.orchestrator.batching import IGNORE_INDEX, TrainSample, pack_batch
+
+    trained = [True, True, False, False, False, True]
+    sample = TrainSample(
+        prompt_ids=[1, 2, 3], completion_ids=[10, 11, 20, 21, 22, 12], logprobs=[-1.0, -2.0, 0, 0, 0, -3.0],
+        advantage=1.0, weight=0.25, temperature=1.0, versions=[0] * 6, trained=trained,
+    )  # fmt: skip
+    [[micro]] = pack_batch([sample], seq_len=16, world_size=1)
+    targets, weights = micro["target_ids"][0], micro["loss_weights"][0]
+    assert micro["input_ids"][0, :9].tolist() == [1, 2, 3, 10, 11, 20, 21, 22, 12]
+    # Position i predicts token i + 1: completion token j sits at 2 + j.
+    assert targets[:9].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 10, 11, *[IGNORE_INDEX] * 3, 12, IGNORE_INDEX]
+    assert weights[:9].tolist() == [0, 0, 0.25, 0.25, 0, 0, 0, 0.25, 0]

@@ -35,6 +35,9 @@ class TrainSample:
     # Per completion token, the ids sampling kept ([]: the whole vocabulary; None, or more than MAX_REPLAY_KEPT:
     # a set too large to replay); None when no token was truncated.
     kept_ids: list[list[int] | None] | None = None
+    # Per completion token, whether it is a loss target: False on an environment's messages between the turns
+    # of a multi-turn rollout (context the model did not generate); None: every completion token is.
+    trained: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -94,6 +97,10 @@ def _fill(row: MicroBatch, samples: list[TrainSample], seq_len: int) -> None:
         row["versions"][targets] = torch.tensor(sample.versions, dtype=torch.long)
         if "kept_counts" in row:
             _fill_masks(row, sample, offset + p - 1, kept_ids)
+        if sample.trained is not None:
+            context = offset + p - 1 + torch.tensor([not t for t in sample.trained]).nonzero().view(-1)
+            row["target_ids"][context] = IGNORE_INDEX
+            row["loss_weights"][context] = 0.0
         offset += n
     # The padding tail is its own "document" (positions restart), carrying no loss.
     row["position_ids"][offset:] = torch.arange(seq_len - offset)
