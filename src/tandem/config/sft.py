@@ -28,32 +28,6 @@ class DeployConfig(Section):
     """Trainer processes on this machine; above 1, `tandem sft` launches torchrun itself."""
 
 
-SdpaBackend = Literal["cudnn", "flash", "efficient", "math"]
-
-
-class SftSpeedConfig(Section):
-    """Switches that trade memory or generality for speed; benchmarks/sft_throughput.py measures each one."""
-
-    fused_loss: bool = False
-    """SFT loss with its gradient formed in the forward pass (no logits recomputed in backward; +[V, H] fp32)."""
-    fused_optimizer: bool = False
-    """AdamW as torch's fused kernel over all parameters (fused=True) instead of the foreach loop."""
-    sdpa_backends: tuple[SdpaBackend, ...] = ()
-    """SDPA kernels to try, in this order (empty: PyTorch's own order), e.g. ["cudnn", "flash"] on Hopper."""
-    rope_kernel: Literal["torch", "triton"] = "torch"
-    """RoPE as torch ops, or as one Triton kernel (GPU; bit for bit the same result)."""
-    swiglu_kernel: Literal["torch", "triton"] = "torch"
-    """Dense MLPs' silu(gate) * up as torch ops, or as one Triton kernel forward and one backward (GPU)."""
-    moe_balanced_routing: bool = False
-    """Benchmarks only: route tokens round-robin so every expert gets the same count (not a real router)."""
-    sync_debug: Literal["off", "warn", "error"] = "off"
-    """Flag host-device syncs inside steps after the first (torch.cuda.set_sync_debug_mode; GPU only)."""
-    save_final: bool = True
-    """Write the final training checkpoint and Hugging Face export (benchmarks turn this off)."""
-    fsdp_single_process: bool = True
-    """One process in FSDP2 as on several; off: a plain module under autocast, no FSDP copies (torchtitan's 1-GPU way)."""
-
-
 class SftConfig(TrainingRunConfig):
     command: ClassVar[str] = "sft"
 
@@ -65,7 +39,5 @@ class SftConfig(TrainingRunConfig):
     """Training data."""
     deploy: DeployConfig = DeployConfig()
     """Processes to launch."""
-    speed: SftSpeedConfig = SftSpeedConfig()
-    """Throughput switches (examples/advanced/*/sft-max-perf.toml turns them on)."""
     overwrite: bool = Field(False, exclude=True)
     """Start over in a run directory that holds an earlier run, deleting it first (never saved with the config)."""

@@ -39,8 +39,35 @@ class WandbConfig(Section):
     """W&B project name."""
 
 
+SdpaBackend = Literal["cudnn", "flash", "efficient", "math"]
+
+
+class SpeedConfig(Section):
+    """Switches that trade memory or generality for speed, the same for SFT and the RL trainer;
+    benchmarks/sft_throughput.py and benchmarks/rl_throughput.py measure them."""
+
+    fused_loss: bool = False
+    """The loss with its gradient formed in the forward pass, chunk by chunk (no logits recomputed in backward; +[V, H] fp32): SFT's summed NLL, or RL's policy loss (every loss type, per-token temperatures, replayed kept sets, entropy)."""
+    fused_optimizer: bool = False
+    """AdamW as torch's fused kernel over all parameters (fused=True) instead of the foreach loop."""
+    sdpa_backends: tuple[SdpaBackend, ...] = ()
+    """SDPA kernels to try, in this order (empty: PyTorch's own order), e.g. ["cudnn", "flash"] on Hopper."""
+    rope_kernel: Literal["torch", "triton"] = "torch"
+    """RoPE as torch ops, or as one Triton kernel (GPU; bit for bit the same result)."""
+    swiglu_kernel: Literal["torch", "triton"] = "torch"
+    """Dense MLPs' silu(gate) * up as torch ops, or as one Triton kernel forward and one backward (GPU)."""
+    moe_balanced_routing: bool = False
+    """Benchmarks only: route tokens round-robin so every expert gets the same count (not a real router; in RL the trainer then scores another policy than inference samples)."""
+    sync_debug: Literal["off", "warn", "error"] = "off"
+    """Flag host-device syncs inside steps after the first, from reading the batch to the optimizer step (torch.cuda.set_sync_debug_mode; GPU only)."""
+    save_final: bool = True
+    """Write the final training checkpoint, and for SFT the Hugging Face export hf/final (benchmarks turn this off). The RL trainer writes its last policy as a directory either way: it is the run's result."""
+    fsdp_single_process: bool = True
+    """One process in FSDP2 as on several; off: a plain module under autocast, no FSDP copies (torchtitan's 1-GPU way). Several processes shard anyway."""
+
+
 class TrainingRunConfig(RunConfig):
-    """The root of `tandem sft` and `tandem trainer`."""
+    """The root of `tandem sft` and `tandem trainer`; `tandem rl` holds the latter as `trainer`."""
 
     max_steps: int = Field(100, gt=0)
     """Optimizer steps to train for."""
@@ -70,3 +97,5 @@ class TrainingRunConfig(RunConfig):
     """Resuming a killed run."""
     wandb: WandbConfig = WandbConfig()
     """Optional W&B monitoring."""
+    speed: SpeedConfig = SpeedConfig()
+    """Throughput switches (examples/advanced/*/sft-max-perf.toml turns them on)."""

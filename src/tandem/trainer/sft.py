@@ -6,7 +6,6 @@ or by hand as `torchrun --nproc-per-node N -m tandem.trainer.sft @ config.toml` 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
@@ -17,21 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
-from tandem.checkpoints import checkpoints_root
 from tandem.config import ConfigError, load_config, to_toml
-from tandem.config.sft import SftConfig, SftSpeedConfig
+from tandem.config.sft import SftConfig
 from tandem.models import ModelArgs
 from tandem.run import atomic_write_text, claim_run_dir, exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_documents, stack
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
-from tandem.trainer.gc_schedule import scheduled_gc
-from tandem.trainer.model import build_training_model, export_hf, kernel_options, read_model_args
-from tandem.trainer.monitor import Monitor, stop_if_diverged
-from tandem.trainer.parallel import World, clip_grad_norm_, init_distributed, shutdown_distributed
-from tandem.trainer.schedule import build_optimizer
+from tandem.trainer.loop import Recipe, StepBatch, build_training, run_steps
+from tandem.trainer.model import export_hf, read_model_args
+from tandem.trainer.monitor import Monitor
+from tandem.trainer.parallel import World, init_distributed, shutdown_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -136,34 +132,22 @@ def _check_split(config: SftConfig, world: World) -> int:
     return per_rank
 
 
-_SDPA = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+class SftRecipe(Recipe):
+    """Dataset rows in, the summed NLL of every loss token over the step's loss-token count out."""
 
+    def __init__(self, config: SftConfig, world: World, steps, micro_steps: int) -> None:
+        self.config, self.world, self.steps, self.micro_steps = config, world, steps, micro_steps
 
-def _sdpa_priority(names: tuple[str, ...]) -> contextlib.AbstractContextManager:
-    """SDPA kernels in the given order of preference (read when a block is traced, so compiled blocks too)."""
-    if not names:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    def batch(self, step: int) -> StepBatch:
+        rows = self.steps(step - 1)
+        mine = balance(rows, self.world.world_size)[self.world.rank]
+        size = self.config.micro_batch_size
+        micros = [mine[index * size : (index + 1) * size] for index in range(self.micro_steps)]
+        loss_tokens = sum(int(row.loss_mask.sum()) for row in rows)
+        return StepBatch(step, micros, sum(r.num_real for r in rows), {"loss_tokens": loss_tokens})
 
-    return sdpa_kernel([getattr(SDPBackend, _SDPA[name]) for name in names], set_priority=True)
-
-
-@contextlib.contextmanager
-def _sync_check(mode: str, device: torch.device, active: bool):
-    """Warn or fail on host-device syncs inside the block; the first step is exempt (it compiles and autotunes)."""
-    if mode == "off" or device.type != "cuda" or not active:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def _model_runtime(speed: SftSpeedConfig, device: torch.device) -> dict:
-    kernels = kernel_options(device, rope=speed.rope_kernel, swiglu=speed.swiglu_kernel)
-    return {**kernels, "moe_balanced_routing": speed.moe_balanced_routing}
+    def loss(self, model: torch.nn.Module, micro: list, batch: StepBatch) -> tuple[torch.Tensor, dict]:
+        return _micro_batch_nll(model, micro, self.config, self.world.device) / batch.values["loss_tokens"], {}
 
 
 def train(config: SftConfig) -> int:
@@ -177,58 +161,18 @@ def train(config: SftConfig) -> int:
         setup_logging("warning")
     torch.manual_seed(config.seed)
     steps = build_steps(config, inputs)  # before the model: a bad dataset fails without building it
-    speed = config.speed
-    model, info = build_training_model(
-        config, world, shard=speed.fsdp_single_process, **_model_runtime(speed, world.device)
-    )
-    optimizer, scheduler = build_optimizer(model, config, fused=speed.fused_optimizer)
-    ckpt_root = checkpoints_root(config.run_dir)
-    start_step = ckpt.resume_step(config, model, optimizer, scheduler)
-    monitor = Monitor(config, world, info, start_step)
+    training = build_training(config, world)
+    start_step = ckpt.resume_step(config, training.model, training.optimizer, training.scheduler)
+    monitor = Monitor(config, world, training.info, start_step)
     try:
-        with scheduled_gc(config.gc_interval) as after_step:
-            for step in range(start_step, config.max_steps):
-                monitor.start_step()
-                after_step(step)  # timed with the step, as torchtitan times its collections
-                with _sync_check(speed.sync_debug, world.device, active=step > start_step):
-                    batch = steps(step)
-                    global_loss_tokens = sum(int(row.loss_mask.sum()) for row in batch)
-                    mine = balance(batch, world.world_size)[world.rank]
-                    loss_sum = torch.zeros((), device=world.device)
-                    for micro in range(micro_steps):
-                        rows = mine[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-                        if isinstance(model, FSDPModule):  # not with speed.fsdp_single_process off
-                            model.set_requires_gradient_sync(micro == micro_steps - 1)
-                        nll = _micro_batch_nll(model, rows, config, world.device)
-                        # FSDP averages gradients over ranks; scaling by world size makes the result the sum
-                        # over every rank's tokens divided by the global token count, however the batch is split.
-                        (nll * (world.world_size / global_loss_tokens)).backward()
-                        loss_sum += nll.detach()
-                    grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm, optimizer)
-                    lr = scheduler.get_last_lr()[0]
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                stop_if_diverged(step + 1, world, loss=loss_sum, grad_norm=grad_norm)
-                monitor.end_step(
-                    step + 1,
-                    sums={"loss": loss_sum / global_loss_tokens},
-                    values={"grad_norm": grad_norm, "lr": lr, "loss_tokens": global_loss_tokens},
-                    real_tokens=sum(r.num_real for r in batch),
-                )
-                done = step + 1
-                if config.ckpt.interval and done % config.ckpt.interval == 0 and done < config.max_steps:
-                    ckpt.save_checkpoint(ckpt_root, done, model, optimizer, scheduler, {}, config.ckpt.keep)
-                if config.ckpt.hf_interval and done % config.ckpt.hf_interval == 0 and done < config.max_steps:
-                    export_hf(model, info, config.run_dir / "hf" / f"step-{done:06d}", world, config.model.dtype)
-        if speed.save_final:
-            ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, {}, config.ckpt.keep)
-            export_hf(model, info, config.run_dir / "hf" / "final", world, config.model.dtype)
+        run_steps(config, world, training, SftRecipe(config, world, steps, micro_steps), start_step, monitor)
+        if config.speed.save_final:
+            export_hf(training.model, training.info, config.run_dir / "hf" / "final", world, config.model.dtype)
     finally:
         monitor.close()
-    if world.is_main and speed.save_final:
+    if world.is_main and config.speed.save_final:
         logger.info("done: %d steps; Hugging Face checkpoint in %s", config.max_steps, config.run_dir / "hf" / "final")
-    del model, optimizer, scheduler
+    del training
     shutdown_distributed()
     return 0
 
@@ -238,14 +182,9 @@ def _micro_batch_nll(model: torch.nn.Module, rows: list, config: SftConfig, devi
     inputs = stack(rows, device)
     targets = inputs["target_ids"].masked_fill(~inputs["loss_mask"], -100)
     positions = None if single_documents(rows) else inputs["position_ids"]
-    with _sdpa_priority(config.speed.sdpa_backends):
-        if config.speed.fused_loss:
-            return model(
-                inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, nll_sum=True
-            )
-        out = model(
-            inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, with_entropy=False
-        )
+    if config.speed.fused_loss:
+        return model(inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, nll_sum=True)
+    out = model(inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, with_entropy=False)
     return -out.logprobs.sum()
 
 
