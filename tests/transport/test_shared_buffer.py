@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import textwrap
 
@@ -116,6 +117,34 @@ def test_an_opener_closing_leaves_the_creators_buffer():
         buffer.views(Layout.of([("x", torch.int64, (8,))]))["x"].fill_(3)
         with SharedBuffer.open(buffer.handle()) as again:
             assert again.views(Layout.of([("x", torch.int64, (8,))]))["x"].tolist() == [3] * 8
+
+
+OPEN_TWICE = textwrap.dedent(
+    """
+    import json, sys
+    from tandem.transport.shared_buffer import SharedBuffer, SharedBufferError
+
+    handle = json.loads(sys.argv[1])
+    try:
+        with SharedBuffer.open(handle):
+            SharedBuffer.open(handle)
+    except SharedBufferError as error:
+        print(error)
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [({}, "already opened in this process"), ({"CUDA_VISIBLE_DEVICES": ""}, "CUDA is not available")],
+)
+def test_a_cuda_handle_opens_once_and_only_where_its_gpu_is_visible(env, message):
+    with SharedBuffer.create(4096, "cuda") as buffer:
+        command = [sys.executable, "-c", OPEN_TWICE, json.dumps(buffer.handle())]
+        done = run_while_progressing(command, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    assert message in done.stdout
 
 
 @pytest.fixture

@@ -19,7 +19,9 @@ inference server reads it out, with no disk and no NCCL (which refuses two ranks
   only drops the mapping. Views keep their memory mapped until they die, so a stale view never points at
   unmapped memory; the memory returns to the system once the creator, every opener and every view are gone.
   A CUDA handle is single-use (torch counts one consumer per `_share_cuda_` call): ask for one `handle()`
-  per opener.
+  per opener. CUDA memory the creator drops while an opener still maps it waits in torch's IPC limbo until
+  that opener lets go (`torch.cuda.ipc_collect()` frees it then); a handle that is never opened, or whose
+  open fails, keeps it until the creator exits. So make one buffer per run and reuse it every policy.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ class SharedBuffer:
         except ValidationError as error:
             raise _invalid("shared-buffer handle", error) from None
         if isinstance(spec, PosixShmHandle):
-            return cls(_open_shm(spec.name, spec.nbytes), creator=False)
+            return cls(_open_shm(spec.name, spec.nbytes), creator=False, name=spec.name)
         return cls(_open_cuda(spec), creator=False)
 
     def handle(self) -> dict[str, Any]:
@@ -193,9 +195,12 @@ class SharedBuffer:
             return PosixShmHandle(kind="posix_shm", name=self._name, nbytes=self.nbytes).model_dump()
         if not self.creator:
             raise SharedBufferError("only the creator of a CUDA shared buffer can hand out handles")
-        device, storage, size, offset, counter, counter_offset, event, event_sync = (
-            flat.untyped_storage()._share_cuda_()
-        )
+        try:
+            device, storage, size, offset, counter, counter_offset, event, event_sync = (
+                flat.untyped_storage()._share_cuda_()
+            )
+        except RuntimeError as error:
+            raise SharedBufferError(f"cannot share the CUDA buffer on {self.device}: {error}") from None
         assert size == self.nbytes and device == self.device.index, (size, device)
         return CudaIpcHandle(
             kind="cuda_ipc",
