@@ -6,6 +6,9 @@ Parameter names follow Hugging Face's (without the `model.` prefix) except the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,7 +20,7 @@ from .layers.moe import Experts, MoE
 from .layers.norm import RMSNorm
 from .layers.precision import autocast_dtype
 from .layers.rope import RotaryEmbedding
-from .logprobs import DEFAULT_CHUNK_SIZE, TokenLogprobs, token_logprobs
+from .logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from .nll_sum import fused_nll_sum
 
 
@@ -109,7 +112,8 @@ class CausalLM(nn.Module):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         with_entropy: bool = True,
         nll_sum: bool = False,
-    ) -> torch.Tensor | TokenLogprobs:
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> Any:
         """Score a batch `[B, S]`; returns logits `[B, S, V]` unless asked otherwise.
 
         position_ids: restart at each packed document; attention stays inside documents. Default: 0..S-1.
@@ -120,12 +124,16 @@ class CausalLM(nn.Module):
             entropy with `with_entropy=False`.
         nll_sum: with targets (temperature 1, no kept_ids), return SFT's summed NLL as a scalar instead, its
             gradient formed in the same chunked pass (see `nll_sum.fused_nll_sum`).
+        head: return `head(hidden [B*S, H], lm_head_weight [V, H])` instead, e.g. RL's fused policy loss
+            (`trainer.fused_loss`). Called here, inside the forward, where FSDP has the LM head unsharded.
         """
         batch, seq = input_ids.shape
         attn = attention_inputs(self.args.attn_backend, input_ids.device, position_ids, attention_mask)
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         hidden = self.hidden_states(input_ids, position_ids, attn)
+        if head is not None:
+            return head(hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight)
         if targets is not None and nll_sum:
             return fused_nll_sum(hidden, self.lm_head_weight, targets, chunk_size=chunk_size)
         if targets is not None:
