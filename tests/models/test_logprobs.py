@@ -108,6 +108,21 @@ def test_bf16_close_to_fp32_reference():
     assert gw.dtype == torch.bfloat16 and torch.isfinite(gw).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_cuda_bf16_weight_gradient_close_to_fp32_reference():
+    """On CUDA the bf16 weight gradient's GEMM runs in bf16 with fp32 accumulation (not an fp32 SIMT SGEMM)."""
+    hidden, weight, targets = (t.detach().cuda() for t in _inputs())
+    kept = _kept_ids(targets.cpu()).cuda()
+    g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(9)).cuda()
+    grads = []
+    for dtype in (torch.bfloat16, torch.float32):
+        w = weight.to(dtype).requires_grad_(True)
+        out = token_logprobs(hidden.to(dtype), w, targets, temperature=0.8, kept_ids=kept, chunk_size=8)
+        grads.append(torch.autograd.grad((g * out.logprobs).sum() + out.entropy.sum(), w)[0])
+    assert grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[0].float(), grads[1], rtol=5e-2, atol=5e-3)
+
+
 def test_model_forward_with_targets(model_dir):
     model = load_model(model_dir("qwen3"))
     ids = torch.randint(3, model.args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))

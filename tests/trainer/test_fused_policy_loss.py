@@ -7,7 +7,8 @@ import torch
 
 from tandem.config.trainer import LossConfig
 from tandem.models import IGNORE_INDEX, load_model, token_logprobs
-from tandem.trainer.fused_loss import PolicyTokens, fused_policy_loss
+from tandem.models.logprobs import _keep_mask
+from tandem.trainer.fused_loss import PolicyTokens, _compiled, _logit_grad_, _scores, fused_policy_loss
 from tandem.trainer.loss import LossInputs, policy_loss
 
 VOCAB, HIDDEN, TOKENS, K = 97, 16, 37, 6
@@ -188,3 +189,44 @@ def test_through_the_model_head(tiny_model_dir):
     torch.testing.assert_close(metrics, ref_metrics, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(fused[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kept", [True, False])
+def test_compiled_chunk_kernels_match_eager(kept):
+    """The kernels CUDA runs compiled (softmax scores, then the gradient written over the logits) trace and
+    give the eager results; compiled here for the CPU, the same graphs."""
+    hidden, weight, tokens = _tensors()
+    logits = hidden @ weight.T
+    keep = _keep_mask(tokens.kept_ids, VOCAB) if kept else None
+    targets, temperatures = tokens.targets.clamp_min(0), tokens.temperatures
+    scores, logit_grad_ = _compiled()
+    for with_entropy in (True, False):
+        want = _scores(logits, temperatures, keep, targets, with_entropy)
+        torch.testing.assert_close(
+            scores(logits, temperatures, keep, targets, with_entropy), want, rtol=1e-5, atol=1e-6
+        )
+    lse, grad = want[1], torch.randn(TOKENS, generator=torch.Generator().manual_seed(3))
+    compiled, eager = logits.clone(), logits.clone()
+    logit_grad_(compiled, temperatures, keep, targets, lse, grad)
+    _logit_grad_(eager, temperatures, keep, targets, lse, grad)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16 weights", "fp32 weights under autocast"])
+def test_cuda_bf16_close_to_fp32_reference(autocast):
+    """The GPU path: compiled chunk kernels, bf16 GEMMs accumulating in fp32 (`out_dtype`)."""
+    hidden, weight, tokens = _tensors(seed=1)
+    tokens = PolicyTokens(**{name: None if t is None else t.cuda() for name, t in vars(tokens).items()})
+    config = LossConfig(type="ppo", ppo_clip=0.1, kl_coef=0.05)
+    ref = _run(lambda h, w: _reference(h, w, tokens, config, True), hidden.cuda(), weight.cuda())
+    if autocast:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ours = _run(fused_policy_loss, hidden.cuda(), weight.cuda(), tokens, config, 8)
+    else:
+        ours = _run(fused_policy_loss, hidden.cuda().bfloat16(), weight.cuda().bfloat16(), tokens, config, 8)
+    torch.testing.assert_close(ours[0], ref[0], rtol=3e-2, atol=1e-2)
+    torch.testing.assert_close(ours[2], ref[2], rtol=3e-2, atol=5e-2)
+    torch.testing.assert_close(ours[3].float(), ref[3], rtol=5e-2, atol=5e-3)
+    torch.testing.assert_close(ours[4].float(), ref[4], rtol=5e-2, atol=5e-3)
