@@ -10,26 +10,43 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
-from tandem.checkpoints import checkpoints_root
 from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
+from tandem.models.logprobs import IGNORE_INDEX
 from tandem.run import exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
-from tandem.trainer.gc_schedule import scheduled_gc
+from tandem.trainer.fused_loss import PolicyTokens, fused_policy_loss
+from tandem.trainer.loop import Recipe, StepBatch, build_training, run_steps, to_device
 from tandem.trainer.loss import LossInputs, k3, policy_loss
-from tandem.trainer.model import build_training_model
-from tandem.trainer.monitor import Monitor, stop_if_diverged
-from tandem.trainer.parallel import clip_grad_norm_, init_distributed, shutdown_distributed
+from tandem.trainer.monitor import Monitor
+from tandem.trainer.parallel import World, init_distributed, shutdown_distributed
 from tandem.trainer.publish import make_publisher
-from tandem.trainer.schedule import build_optimizer
 from tandem.transport.batches import kept_ids_matrix, read_batch, wait_for_batch
 
 logger = logging.getLogger(__name__)
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def policy_tokens(micro: dict[str, torch.Tensor], kept: torch.Tensor | None) -> PolicyTokens:
+    """The micro-batch's per-token loss inputs, flat `[T]`, over every position: off the loss tokens the weight,
+    advantage and inference logprob are 0 (the trainer's logprob is 0 there too), so such a position adds exactly
+    0 to the loss, its gradient and every metric, and nothing is indexed by a mask (no host sync)."""
+    targets = micro["target_ids"].reshape(-1)
+    on = targets != IGNORE_INDEX
+    zero = torch.zeros((), device=targets.device)
+    return PolicyTokens(
+        targets=targets,
+        temperatures=micro["temperatures"].reshape(-1),
+        kept_ids=kept.reshape(targets.numel(), -1) if kept is not None else None,
+        inference_logprobs=torch.where(on, micro["inference_logprobs"].reshape(-1), zero),
+        advantages=torch.where(on, micro["advantages"].reshape(-1), zero),
+        weights=torch.where(on, micro["loss_weights"].reshape(-1), zero),
+    )
 
 
 def micro_batch_loss(
@@ -44,31 +61,74 @@ def micro_batch_loss(
     kept = None
     if "kept_counts" in micro and micro["kept_ids"].numel():  # sampling masks, stored compactly (transport.batches)
         kept = kept_ids_matrix(micro["kept_counts"], micro["kept_ids"], model.args.vocab_size, device)
-    micro = {name: tensor.to(device) for name, tensor in micro.items() if not name.startswith("kept_")}
-    loss_tokens = micro["target_ids"] != -100
+    micro = {name: to_device(tensor, device) for name, tensor in micro.items() if not name.startswith("kept_")}
+    tokens = policy_tokens(micro, kept)
+    loss, metrics, logprobs = _policy_loss(model, micro, tokens, config)
+    with torch.no_grad():
+        on_policy = (micro["versions"].reshape(-1) == current_version) * tokens.weights
+        metrics["off_policy_kl"] = metrics.pop("mismatch_kl")
+        metrics["mismatch_kl_sum"] = (on_policy * k3(logprobs - tokens.inference_logprobs)).sum()
+        metrics["on_policy_weight"] = on_policy.sum()
+        metrics["loss_tokens"] = (tokens.targets != IGNORE_INDEX).sum().float()
+    return loss, metrics
+
+
+def _policy_loss(model, micro: dict[str, torch.Tensor], tokens: PolicyTokens, config: TrainerConfig):
+    """(loss, metrics, detached trainer logprobs `[T]`): fused into the model's head (`speed.fused_loss`), or
+    the chunked logprobs then `policy_loss`."""
+    chunk_size = config.loss_chunk_size
+    if config.speed.fused_loss:
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor):
+            return fused_policy_loss(hidden, weight, tokens, config.loss, chunk_size)
+
+        return model(micro["input_ids"], micro["position_ids"], head=head)
     out = model(
         micro["input_ids"],
         micro["position_ids"],
         targets=micro["target_ids"],
         temperature=micro["temperatures"],
-        kept_ids=kept,
-        chunk_size=config.loss_chunk_size,
+        kept_ids=tokens.kept_ids.view(*micro["target_ids"].shape, -1) if tokens.kept_ids is not None else None,
+        chunk_size=chunk_size,
     )
+    logprobs = out.logprobs.reshape(-1)
     inputs = LossInputs(
-        logprobs=out.logprobs[loss_tokens],
-        inference_logprobs=micro["inference_logprobs"][loss_tokens],
-        advantages=micro["advantages"][loss_tokens],
-        weights=micro["loss_weights"][loss_tokens],
-        entropy=out.entropy[loss_tokens] if out.entropy is not None else None,
+        logprobs=logprobs,
+        inference_logprobs=tokens.inference_logprobs,
+        advantages=tokens.advantages,
+        weights=tokens.weights,
+        entropy=out.entropy.reshape(-1) if out.entropy is not None else None,
     )
     loss, metrics = policy_loss(config.loss, inputs)
-    with torch.no_grad():
-        on_policy = (micro["versions"][loss_tokens] == current_version) * inputs.weights
-        metrics["off_policy_kl"] = metrics.pop("mismatch_kl")
-        metrics["mismatch_kl_sum"] = (on_policy * k3(inputs.logprobs - inputs.inference_logprobs)).sum()
-        metrics["on_policy_weight"] = on_policy.sum()
-        metrics["loss_tokens"] = loss_tokens.sum().float()
-    return loss, metrics
+    return loss, metrics, logprobs.detach()
+
+
+class RlRecipe(Recipe):
+    """Batch N from the orchestrator in, the policy loss out; policy N published after the optimizer step."""
+
+    ratios = {"mismatch_kl": ("mismatch_kl_sum", "on_policy_weight")}  # noqa: RUF012 (read only)
+
+    def __init__(self, config: TrainerConfig, world: World, publish: Callable[[int], None]) -> None:
+        self.config, self.world, self.publish = config, world, publish
+        self.batches = config.run_dir / "batches"
+
+    def wait(self, step: int) -> dict[str, float]:
+        waiting = time.monotonic()
+        wait_for_batch(self.batches, step, self.config.batch_timeout_s)
+        return {"idle_s": time.monotonic() - waiting}  # trainer idle time: waiting for the orchestrator
+
+    def batch(self, step: int) -> StepBatch:
+        micros, header = read_batch(self.batches, step, self.world.rank, self.world.world_size)
+        return StepBatch(step, micros, header.get("num_tokens", 0), {"samples": header.get("num_samples", 0)})
+
+    def loss(self, model: torch.nn.Module, micro: dict, batch: StepBatch) -> tuple[torch.Tensor, dict]:
+        # Weights sum to 1 over the whole batch: each micro-batch's loss is its share already.
+        return micro_batch_loss(model, micro, self.config, self.world.device, current_version=batch.step - 1)
+
+    def after_update(self, step: int) -> dict[str, float]:
+        start = time.monotonic()
+        self.publish(step)
+        return {"publish_s": time.monotonic() - start}  # the hand-off's wall time on the trainer
 
 
 def train(config: TrainerConfig) -> int:
@@ -78,56 +138,17 @@ def train(config: TrainerConfig) -> int:
     else:
         setup_logging("warning")
     torch.manual_seed(config.seed)
-    model, info = build_training_model(config, world)
-    optimizer, scheduler = build_optimizer(model, config)
-    run_dir = config.run_dir
-    ckpt_root, batches = checkpoints_root(run_dir), run_dir / "batches"
-    start_step = ckpt.resume_step(config, model, optimizer, scheduler)
-    publisher = make_publisher(config, world, model, info)
+    training = build_training(config, world)
+    start_step = ckpt.resume_step(config, training.model, training.optimizer, training.scheduler)
+    publisher = make_publisher(config, world, training.model, training.info)
     publisher.resumed(start_step)
-    monitor = Monitor(config, world, info, start_step)
+    monitor = Monitor(config, world, training.info, start_step)
     try:
-        with scheduled_gc(config.gc_interval) as after_step:
-            for step in range(start_step + 1, config.max_steps + 1):
-                waiting = time.monotonic()
-                wait_for_batch(batches, step, config.batch_timeout_s)
-                idle_s = time.monotonic() - waiting  # trainer idle time: waiting for the orchestrator
-                monitor.start_step()
-                after_step(step - 1)  # timed with the step, as torchtitan times its collections
-                micros, header = read_batch(batches, step, world.rank, world.world_size)
-                sums: dict[str, torch.Tensor] = {}
-                for index, micro in enumerate(micros):
-                    model.set_requires_gradient_sync(index == len(micros) - 1)
-                    loss, metrics = micro_batch_loss(model, micro, config, world.device, current_version=step - 1)
-                    # Weights already sum to 1 over the whole batch; FSDP averages over ranks, so undo that.
-                    (loss * world.world_size).backward()
-                    for name, value in {"loss": loss.detach(), **metrics}.items():
-                        sums[name] = sums.get(name, 0) + value
-                grad_norm = clip_grad_norm_(model, config.optim.max_grad_norm, optimizer)
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                stop_if_diverged(step, world, loss=sums["loss"], grad_norm=grad_norm)
-                publisher.publish(step)
-                monitor.end_step(
-                    step,
-                    sums=sums,
-                    values={
-                        "grad_norm": grad_norm,
-                        "lr": lr,
-                        "samples": header.get("num_samples", 0),
-                        "idle_s": idle_s,
-                    },
-                    real_tokens=header.get("num_tokens", 0),
-                    ratios={"mismatch_kl": ("mismatch_kl_sum", "on_policy_weight")},
-                )
-                if config.ckpt.interval and step % config.ckpt.interval == 0:
-                    ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
+        run_steps(config, world, training, RlRecipe(config, world, publisher.publish), start_step, monitor)
     finally:
         monitor.close()
         publisher.close()
-    del model, optimizer, scheduler, publisher
+    del training, publisher
     shutdown_distributed()
     return 0
 
