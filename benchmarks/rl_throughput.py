@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # check config keys of the tandem the runs use (PYTHONPATH below)
 SFT_RECIPE = ROOT / "examples" / "advanced" / "qwen3-1.7b" / "sft-max-perf.toml"
 MODELS = ("qwen3-0.6b", "qwen3-1.7b")
 # Trainer switches of a `tandem rl` run, as config keys; a key this tandem's RlConfig lacks is left out (and shown).
