@@ -33,8 +33,8 @@ from tandem.run import atomic_write_text, claim_run_dir, log_tail, prepare_run_d
 from tandem.trainer.ckpt import resolve_resume
 from tandem.trainer.model import read_model_args
 from tandem.transport.batches import batch_path
-from tandem.transport.broadcast import announce_path
 from tandem.transport.policies import policy_dir
+from tandem.transport.weights.control import announce_path
 from tandem.view import RlProgress
 
 logger = logging.getLogger(__name__)
@@ -130,23 +130,50 @@ def _cut_step_files(run_dir: Path, step: int) -> None:
         keep_steps_up_to(run_dir / name, step)
 
 
+def weight_transport(config: RlConfig) -> tuple[str, str]:
+    """The weight transport `trainer.weights.transport = "auto"` stands for, and why.
+
+    shared needs every server to see the buffer trainer rank 0 keeps: on its GPU (CUDA IPC: the server must see
+    that GPU) or, for a CPU trainer, in shared memory. Across separate GPUs the broadcast runs; vLLM only loads
+    directories."""
+    chosen = config.trainer.weights.transport
+    if chosen != "auto":
+        return chosen, "as configured"
+    if config.inference.engine == "vllm":
+        return "file", "vLLM loads policies from directories"
+    deploy = config.deploy
+    if not deploy.trainer_gpus:
+        if deploy.inference_gpus:
+            return "shared", "the trainer runs on CPU: its buffer is shared memory"
+        return "shared", "trainer and inference share the same devices"
+    per_server = len(deploy.inference_gpus) // deploy.inference_servers
+    slices = [deploy.inference_gpus[k * per_server : (k + 1) * per_server] for k in range(deploy.inference_servers)]
+    if all(deploy.trainer_gpus[0] in gpus for gpus in slices):
+        return "shared", f"every inference server sees the trainer's GPU {deploy.trainer_gpus[0]}"
+    if all(slices):
+        return "broadcast", "trainer and inference run on separate GPUs"
+    return "file", "inference runs on CPU, the trainer on a GPU"
+
+
 def _configure(config: RlConfig, resume_step: int) -> RlConfig:
     """Wire the sections together: the trainer's world size and weight transport (and the address the servers
-    may join its broadcast at), and the resume points."""
+    may join its hand-off at), and the resume points."""
+    transport, why = weight_transport(config)
+    logger.info("weight transport: %s (%s)", transport, why)
     orchestrator = {
         "trainer_ranks": config.deploy.trainer_nproc,
         "resume_step": resume_step,
-        "weight_transport": config.trainer.weights.transport,
+        "weight_transport": transport,
     }
+    weights = config.trainer.weights.model_copy(update={"transport": transport})
+    trainer = {"weights": weights}
     updates = {"orchestrator": config.orchestrator.model_copy(update=orchestrator)}
-    weights = config.trainer.weights
-    if weights.transport == "broadcast" and not is_loopback(weights.host):
+    if transport in ("broadcast", "shared") and not is_loopback(weights.host):
         hosts = sorted({*config.inference.broadcast_hosts, weights.host})
         updates["inference"] = config.inference.model_copy(update={"broadcast_hosts": hosts})
     if resume_step:
-        updates["trainer"] = config.trainer.model_copy(
-            update={"resume": config.trainer.resume.model_copy(update={"enabled": True, "step": resume_step})}
-        )
+        trainer["resume"] = config.trainer.resume.model_copy(update={"enabled": True, "step": resume_step})
+    updates["trainer"] = config.trainer.model_copy(update=trainer)
     return config.model_copy(update=updates)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,16 +12,29 @@ from tandem.config.orchestrator import OrchestratorConfig
 from tandem.orchestrator.main import Orchestrator
 from tandem.orchestrator.pool import Completion
 from tandem.transport.batches import read_batch
-from tandem.transport.policies import latest_policy, mark_complete, policy_dir
+from tandem.transport.policies import mark_complete, policy_dir
+
+
+class FakeAdmin:
+    """A server's admin routes, as the file follower calls them: records each policy it is told to load."""
+
+    def __init__(self):
+        self.loads: list[tuple[str, int]] = []
+
+    async def request(self, method, route, body=None):
+        if route == "/update_weights":
+            assert (Path(body["path"]) / "COMPLETE").exists(), f"told to load {body['path']}, which is gone"
+            self.loads.append((body["path"], body["version"]))
 
 
 class FakePool:
     """Answers reverse_text prompts: group g gets `g % 3` wrong answers... all wrong when g % 3 == 0."""
 
     def __init__(self, tokenizer, fail_every: int = 0):
-        self.tokenizer, self.version, self.idle_s = tokenizer, 0, 0.0
-        self.groups, self.fail_every, self.loaded = 0, fail_every, []
+        self.tokenizer, self.version, self.idle_s, self.loaded = tokenizer, 0, 0.0, False
+        self.groups, self.fail_every = 0, fail_every
         self.requests = [0]  # requests per server, as InferencePool counts them
+        self.clients = [FakeAdmin()]
 
     async def wait_healthy(self):
         pass
@@ -40,10 +54,6 @@ class FakePool:
             ids = right if (group % 3 and i < group % 3) else wrong
             completions.append(Completion(list(ids), [-0.5] * len(ids), [self.version] * len(ids), "stop", None))
         return completions
-
-    async def load_policy(self, path, version):
-        self.loaded.append(version)
-        self.version = version
 
     async def close(self):
         pass
@@ -84,7 +94,7 @@ def run(config, pool, with_trainer=True):
 
 
 def test_every_batch_is_full_and_filtered_groups_are_replaced(tiny_model_dir, tmp_path):
-    config = make_config(tmp_path, tiny_model_dir("qwen3"))
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), keep_batches=True)
     pool = FakePool(None, fail_every=5)
     metrics = run(config, pool)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -98,7 +108,8 @@ def test_every_batch_is_full_and_filtered_groups_are_replaced(tiny_model_dir, tm
     dropped = {k: sum(m.get(k, 0) for m in metrics) for k in ("dropped/zero_advantage", "dropped/error")}
     assert dropped["dropped/zero_advantage"] > 0 and dropped["dropped/error"] > 0
     assert 0 < metrics[0]["reward"] < 1
-    assert pool.loaded and latest_policy(config.run_dir / "policies") == 4
+    assert pool.loaded and pool.clients[0].loads
+    assert (policy_dir(config.run_dir / "policies", 4) / "COMPLETE").exists()
 
 
 def test_async_level_bounds_how_far_inference_runs_ahead(tiny_model_dir, tmp_path):
@@ -124,3 +135,24 @@ def test_resume_restores_the_sampler(tiny_model_dir, tmp_path):
     points = json.loads((config.run_dir / "orchestrator_state.json").read_text())["resume_points"]
     assert set(points) == {"1", "2"}
     assert points["2"]["sampler"]["draws"] > points["1"]["sampler"]["draws"]
+
+
+def test_what_every_server_has_moved_past_is_pruned(tiny_model_dir, tmp_path):
+    """Once every server serves policy N: older policy directories and the (trained) batches up to N go; policy N,
+    anything newer and the batches still to train stay. A server is never told to load a pruned policy."""
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=0, max_steps=6)
+    pool = FakePool(None)
+    run(config, pool)
+    served = pool.version
+    assert served >= 5  # async 0: batch 6 waited for policy 5
+    assert [version for _, version in pool.clients[0].loads] == sorted({v for _, v in pool.clients[0].loads})
+    policies = sorted(int(p.name.split("-")[1]) for p in (config.run_dir / "policies").iterdir())
+    assert policies == list(range(served, 7))  # the final policy 6 always stays
+    batches = sorted(int(p.name.split("-")[1].split(".")[0]) for p in (config.run_dir / "batches").iterdir())
+    assert batches == list(range(served + 1, 7))
+
+
+def test_pruning_keeps_batches_when_asked(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=0, max_steps=3, keep_batches=True)
+    run(config, FakePool(None))
+    assert len(list((config.run_dir / "batches").glob("step-*.safetensors"))) == 3

@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from test_orchestrator import make_config, run
+from test_orchestrator import FakeAdmin, make_config, run
 
 from tandem.jsonl import read_records
 from tandem.orchestrator.main import Orchestrator
@@ -26,6 +26,7 @@ class SeededPool:
 
     def __init__(self, tokenizer=None):
         self.tokenizer, self.version, self.idle_s, self.requests = tokenizer, 0, 0.0, [0]
+        self.loaded, self.clients = False, [FakeAdmin()]
 
     async def wait_healthy(self):
         pass
@@ -41,9 +42,6 @@ class SeededPool:
             logprobs = [-(seed + 1) / 1024] * len(ids)
             completions.append(Completion(list(ids), logprobs, [self.version] * len(ids), "stop", None))
         return completions
-
-    async def load_policy(self, path, version):
-        self.version = version
 
     async def close(self):
         pass
@@ -76,11 +74,11 @@ def test_groups_in_flight_at_a_kill_are_drawn_again_on_resume(tiny_model_dir, tm
     # Policies 1 and 2 exist from the start, so with async_level 1 inference samples batches 1-3 at once
     # (3 needs policy >= 1): when batch 2 is written, groups meant for batch 3 are in flight or waiting.
     publish(tmp_path / "run", 1, 2)
-    first = make_config(tmp_path, model, async_level=1, max_steps=3)
+    first = make_config(tmp_path, model, async_level=1, max_steps=3, keep_batches=True)
     run(first, SeededPool(), with_trainer=False)
     # The trainer's checkpoint is step 2: resume there, as `tandem rl --resume` does (batch 3 is removed).
     batch_path(first.run_dir / "batches", 3).unlink()
-    resumed = make_config(tmp_path, model, async_level=1, max_steps=4, resume_step=2)
+    resumed = make_config(tmp_path, model, async_level=1, max_steps=4, resume_step=2, keep_batches=True)
     run(resumed, SeededPool(), with_trainer=False)
     seeds = trained_seeds(first.run_dir, range(1, 5))
     # Nothing lost, nothing twice: the trained draws are every draw with a signal up to the last one.
@@ -141,7 +139,7 @@ def test_resume_points_are_kept_for_every_kept_checkpoint(tiny_model_dir, tmp_pa
 def test_rollouts_are_logged_as_text_and_cut_back_on_resume(tiny_model_dir, tmp_path):
     model = tiny_model_dir("qwen3")
     publish(tmp_path / "run", 1, 2)
-    first = make_config(tmp_path, model, max_steps=3, log_samples=3)
+    first = make_config(tmp_path, model, max_steps=3, log_samples=3, keep_batches=True)
     run(first, SeededPool(), with_trainer=False)
     path = first.run_dir / "rollouts.jsonl"
     rows = read_records(path)
@@ -149,7 +147,8 @@ def test_rollouts_are_logged_as_text_and_cut_back_on_resume(tiny_model_dir, tmp_
     keys = {"step", "source", "task_id", "prompt", "completion", "reward", "advantage", "outcome", "version", "metrics"}
     assert all(set(r) == keys for r in rows)
     row = rows[0]
-    assert row["source"] == "reverse_text" and row["outcome"] == "ok" and row["version"] == 2  # the newest policy, loaded first
+    # the newest policy, loaded first
+    assert row["source"] == "reverse_text" and row["outcome"] == "ok" and row["version"] == 2
     assert "<|im_start|>" in row["prompt"]  # the prompt as the model saw it, chat template included
     assert all(r["completion"] == "no idea" or r["completion"][::-1] in r["prompt"] for r in rows)  # as scored
     assert isinstance(row["metrics"], dict) and "truncated" in row["metrics"]

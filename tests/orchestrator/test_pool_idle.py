@@ -1,4 +1,4 @@
-"""The inference pool: idle time counts only spans with nothing in flight; policy loads roll back only first."""
+"""The inference pool: idle time counts only spans with nothing in flight; file policy loads roll back only first."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from tandem.config.orchestrator import InferencePoolConfig
 from tandem.orchestrator.pool import InferencePool
+from tandem.transport.weights.file import FileFollower
 
 
 def test_idle_time_counts_only_gaps_with_nothing_in_flight():
@@ -35,7 +36,10 @@ def test_only_the_first_policy_load_may_roll_the_servers_back(tmp_path):
         sent.append((route, body))
 
     pool.clients[0].request = request
-    asyncio.run(pool.load_policy(tmp_path / "step-3", 3))
-    asyncio.run(pool.load_policy(tmp_path / "step-4", 4))
+    follower = FileFollower(pool, tmp_path)
+    asyncio.run(follower.load(tmp_path / "step-3", 3))
+    asyncio.run(follower.load(tmp_path / "step-4", 4))
     updates = [body for route, body in sent if route == "/update_weights"]
     assert [(u["version"], u["rollback"]) for u in updates] == [(3, True), (4, False)]
+    assert [route for route, _ in sent[:3]] == ["/pause", "/update_weights", "/resume"]
+    assert pool.version == 4 and pool.loaded

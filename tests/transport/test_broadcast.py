@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from tandem.transport.broadcast import JoinRequest, WeightBroadcastError, WeightReceiver, WeightSender
+from tandem.transport.weights.broadcast import BroadcastReceiver, BroadcastSender
+from tandem.transport.weights.control import JoinRequest, WeightTransportError
 
 # Peers fork from a server that has imported torch once (the test process itself is never forked).
-multiprocessing.forkserver.set_forkserver_preload(["torch", "tandem.transport.broadcast"])
+multiprocessing.forkserver.set_forkserver_preload(["torch", "tandem.transport.weights.broadcast"])
 CTX = multiprocessing.get_context("forkserver")
 SHAPES = {"embed_tokens.weight": (64, 16), "layers.0.mlp.experts.gate_up_proj": (4, 8, 16), "norm.weight": (16,)}
 
@@ -33,7 +34,7 @@ def _receive(join: dict, dtype: torch.dtype, out: str, behaviour: str) -> None:
     """A server's end: receive every offered policy into `dtype` weights, save each to `out`."""
     from safetensors.torch import save_file
 
-    receiver = WeightReceiver(JoinRequest(**join))
+    receiver = BroadcastReceiver(JoinRequest(**join))
     receiver.connect()
     targets = {name: torch.zeros(shape, dtype=dtype) for name, shape in SHAPES.items()}
     if behaviour == "other model":
@@ -41,17 +42,17 @@ def _receive(join: dict, dtype: torch.dtype, out: str, behaviour: str) -> None:
     while (offer := receiver.next_offer(lambda: True)) is not None:
         problem = receiver.check(offer, targets)
         if problem:
-            receiver.refuse(offer, problem)
+            receiver.control.answer("ready", offer, problem)
             return
         if behaviour in ("die", "stop"):
-            receiver.store.set(f"ready/{offer.seq}/{join['rank']}", "ok")  # say yes, then never take part
+            receiver.control.answer("ready", offer)  # say yes, then never take part
             os.kill(os.getpid(), signal.SIGKILL if behaviour == "die" else signal.SIGSTOP)
         receiver.receive(offer, targets)
         save_file({k: v.contiguous() for k, v in targets.items()}, f"{out}-{offer.version}.safetensors")
         receiver.acknowledge(offer)
 
 
-def _start_receivers(sender: WeightSender, tmp_path, dtypes, behaviour="ok"):
+def _start_receivers(sender: BroadcastSender, tmp_path, dtypes, behaviour="ok"):
     processes = []
     for rank, dtype in enumerate(dtypes, start=1):
         join = {**sender.rendezvous.model_dump(), "rank": rank, "world_size": len(dtypes) + 1}
@@ -71,7 +72,7 @@ def _reap(processes) -> None:
 def test_every_server_gets_each_policy_whole_and_in_order(tmp_path):
     from safetensors.torch import load_file
 
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=60)
+    sender = BroadcastSender("127.0.0.1", 0, "gloo", timeout_s=60)
     receivers = _start_receivers(sender, tmp_path, [torch.float32, torch.bfloat16])  # in place; through staging
     try:
         assert sender.connect() == 2
@@ -94,13 +95,13 @@ def test_every_server_gets_each_policy_whole_and_in_order(tmp_path):
 @pytest.mark.parametrize("behaviour", ["die", "stop"])
 def test_a_server_that_dies_or_stops_answering_fails_the_trainer_within_the_timeout(tmp_path, behaviour):
     timeout = 3.0
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=60)
+    sender = BroadcastSender("127.0.0.1", 0, "gloo", timeout_s=60)
     receivers = _start_receivers(sender, tmp_path, [torch.float32], behaviour)
     try:
         sender.connect()  # joining may take a process start; the sending is what this test times
         sender.timeout_s = timeout
         started = time.monotonic()
-        with pytest.raises(WeightBroadcastError, match=r"sending policy 1: .*(did not answer within 3s|failed)"):
+        with pytest.raises(WeightTransportError, match=r"sending policy 1: .*(did not answer within 3s|failed)"):
             sender.send(1, _manifest(), iter(_policy(1).values()))
         assert time.monotonic() - started < timeout + 2
         sender.close()
@@ -109,11 +110,11 @@ def test_a_server_that_dies_or_stops_answering_fails_the_trainer_within_the_time
 
 
 def test_a_server_with_another_model_refuses_with_its_reason(tmp_path):
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=30)
+    sender = BroadcastSender("127.0.0.1", 0, "gloo", timeout_s=30)
     receivers = _start_receivers(sender, tmp_path, [torch.float32], "other model")
     try:
         sender.connect()
-        with pytest.raises(WeightBroadcastError, match=r"rank 1 refused: policy 1 holds a different model.*norm"):
+        with pytest.raises(WeightTransportError, match=r"rank 1\): refused: policy 1 holds a different model.*norm"):
             sender.send(1, _manifest(), iter(_policy(1).values()))
     finally:
         sender.close()
@@ -121,7 +122,7 @@ def test_a_server_with_another_model_refuses_with_its_reason(tmp_path):
 
 
 def _send_then_die(port_file: str) -> None:
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=30)
+    sender = BroadcastSender("127.0.0.1", 0, "gloo", timeout_s=30)
     with open(port_file + ".tmp", "w") as handle:
         handle.write(str(sender.rendezvous.port))
     os.replace(port_file + ".tmp", port_file)
@@ -146,15 +147,21 @@ def test_a_server_whose_trainer_dies_mid_policy_fails_within_the_timeout(tmp_pat
             assert time.monotonic() < deadline and trainer.is_alive()
             time.sleep(0.05)
         join = JoinRequest(
-            host="127.0.0.1", port=int(port_file.read_text()), backend="gloo", timeout_s=3.0, rank=1, world_size=2
+            kind="broadcast",
+            host="127.0.0.1",
+            port=int(port_file.read_text()),
+            backend="gloo",
+            timeout_s=3.0,
+            rank=1,
+            world_size=2,
         )
-        receiver = WeightReceiver(join)
+        receiver = BroadcastReceiver(join)
         receiver.connect()
         offer = receiver.next_offer(lambda: True)
         targets = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
         assert receiver.check(offer, targets) is None
         started = time.monotonic()
-        with pytest.raises(WeightBroadcastError, match="receiving policy 1"):
+        with pytest.raises(WeightTransportError, match="receiving policy 1"):
             receiver.receive(offer, targets)
         assert time.monotonic() - started < join.timeout_s + 2
         receiver.close()
@@ -163,8 +170,8 @@ def test_a_server_whose_trainer_dies_mid_policy_fails_within_the_timeout(tmp_pat
 
 
 def test_no_server_joining_is_an_error_within_the_timeout():
-    sender = WeightSender("127.0.0.1", 0, "gloo", timeout_s=0.5)
+    sender = BroadcastSender("127.0.0.1", 0, "gloo", timeout_s=0.5)
     started = time.monotonic()
-    with pytest.raises(WeightBroadcastError, match=r"waiting for inference servers to join .* no answer within 0.5s"):
+    with pytest.raises(WeightTransportError, match=r"waiting for inference servers to join .* no answer within 0.5s"):
         sender.connect()
     assert time.monotonic() - started < 3

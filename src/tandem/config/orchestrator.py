@@ -113,8 +113,10 @@ class OrchestratorConfig(RunConfig):
     """Fail if a batch cannot be filled within this time (e.g. every group is filtered out)."""
     policy_timeout_s: float = Field(1800.0, gt=0)
     """Fail if the trainer publishes no policy the next batch may use within this time."""
-    weight_transport: Literal["file", "broadcast"] = "file"
-    """How the trainer hands over policies (its `weights.transport`; tandem rl sets both): file: load each `<run>/policies/step-N` into every server; broadcast: have the servers join the trainer's broadcast (announced in `<run>/weight_broadcast.json`) and follow the version they serve."""
+    weight_transport: Literal["file", "broadcast", "shared"] = "file"
+    """How the trainer hands over policies (its `weights.transport`; tandem rl sets both): file: load each `<run>/policies/step-N` into every server; broadcast, shared: have the servers join the trainer's hand-off (announced in `<run>/weights_rendezvous.json`) and follow the version they serve."""
+    keep_batches: bool = False
+    """Keep every batch file (benchmarks replay them). Otherwise, once every server serves policy N, the batch files of steps up to N (trained already) are deleted, as policy directories older than N always are."""
     resume_step: int = Field(0, ge=0)
     """Continue after this step's batch (the trainer checkpoint being resumed; `tandem rl --resume` sets it)."""
     log_samples: int = Field(8, ge=0)

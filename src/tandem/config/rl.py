@@ -62,10 +62,11 @@ class RlConfig(RunConfig):
 
     @model_validator(mode="after")
     def _vllm_takes_files(self) -> RlConfig:
-        if self.inference.engine == "vllm" and self.trainer.weights.transport == "broadcast":
+        transport = self.trainer.weights.transport
+        if self.inference.engine == "vllm" and transport in ("broadcast", "shared"):
             raise ValueError(
-                'trainer.weights.transport = "broadcast" needs the built-in engine: the vLLM server only loads '
-                'policies from their directories (use transport = "file")'
+                f'trainer.weights.transport = "{transport}" needs the built-in engine: the vLLM server only loads '
+                'policies from their directories (use transport = "file" or "auto")'
             )
         return self
 

@@ -29,16 +29,16 @@ class LossConfig(Section):
 
 
 class WeightsConfig(Section):
-    transport: Literal["file", "broadcast"] = "file"
-    """How policies reach inference: file (a Hugging Face directory per step under <run>/policies), or broadcast (trainer rank 0 sends them to every server over torch.distributed, tensor by tensor; the last policy is still written as a directory). The orchestrator must use the same (`orchestrator.weight_transport`; tandem rl sets it)."""
+    transport: Literal["auto", "file", "broadcast", "shared"] = "auto"
+    """How policies reach inference: file (a Hugging Face directory per step under <run>/policies), broadcast (trainer rank 0 sends them to every server over torch.distributed, tensor by tensor), or shared (one buffer on trainer rank 0 that servers on its node map: CUDA IPC on its GPU, shared memory on CPU; the trainer does not wait for the servers). auto: tandem rl picks shared for the built-in engine on the trainer's devices, broadcast across separate GPUs, file for vLLM; a trainer started alone takes file. The last policy is always written as a directory. The orchestrator must use the same (`orchestrator.weight_transport`; tandem rl sets it)."""
     host: str = "127.0.0.1"
-    """broadcast: the address at which inference servers reach trainer rank 0 (its node's, for several nodes)."""
+    """broadcast, shared: the address at which inference servers reach trainer rank 0's store (its node's, for several nodes)."""
     port: int = Field(0, ge=0, le=65535)
-    """broadcast: port of the rendezvous store on trainer rank 0 (0: a free one, announced in <run>/weight_broadcast.json)."""
+    """broadcast, shared: port of the rendezvous store on trainer rank 0 (0: a free one, announced in <run>/weights_rendezvous.json)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """broadcast: the torch.distributed backend (auto: NCCL when the trainer runs on GPUs, else gloo)."""
     timeout_s: float = Field(600.0, gt=0)
-    """broadcast: fail when a member does not answer within this time (servers joining, a tensor, an acknowledgement)."""
+    """broadcast, shared: fail when a member does not answer within this time (servers joining, a tensor, an acknowledgement)."""
 
 
 class TrainerConfig(TrainingRunConfig):

@@ -71,7 +71,7 @@ from tandem.inference.protocol import (
     UpdateWeightsResponse,
 )
 from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, read_weights, resolve_weights_path
-from tandem.inference.weights_broadcast import BroadcastEndpoint
+from tandem.inference.weights_receiver import ReceiverEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ class InferenceServer:
         self.admin = AdminGuard(admin_token)
         self.created = int(time.time())
         self._weights_lock = asyncio.Lock()
-        # the trainer's weight broadcast (weights_broadcast.py)
-        self.broadcast = BroadcastEndpoint(engine, broadcast_hosts)
+        # the trainer's in-memory weight hand-off (weights_receiver.py)
+        self.receiver = ReceiverEndpoint(engine, broadcast_hosts)
 
     def app(self) -> ASGIApp:
         routes = [
@@ -208,8 +208,8 @@ class InferenceServer:
             Route("/update_weights", endpoint(self.admin(self.update_weights)), methods=["POST"]),
             Route("/pause", endpoint(self.admin(self.pause)), methods=["POST"]),
             Route("/resume", endpoint(self.admin(self.resume)), methods=["POST"]),
-            Route("/weights/broadcast/join", endpoint(self.admin(self.broadcast.join_route)), methods=["POST"]),
-            Route("/weights/broadcast", endpoint(self.broadcast.status_route), methods=["GET"]),
+            Route("/weights/join", endpoint(self.admin(self.receiver.join_route)), methods=["POST"]),
+            Route("/weights", endpoint(self.receiver.status_route), methods=["GET"]),
         ]
         return QueueDepthHeader(Starlette(routes=routes), lambda: self.engine.gauges.waiting_requests)
 

@@ -36,9 +36,9 @@ from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Draw, DrawLedger, Source, TaskSampler, load_sources
 from tandem.run import prepare_run_dir
-from tandem.transport.batches import write_batch
-from tandem.transport.broadcast import Rendezvous, announce_path
-from tandem.transport.policies import latest_policy, policy_dir
+from tandem.transport.batches import batch_path, write_batch
+from tandem.transport.policies import prune_policies
+from tandem.transport.weights import PolicyFollower, make_follower
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class Orchestrator:
         self.assigned: Counter[int] = Counter()  # groups started or kept for each batch
         self.buckets: dict[int, asyncio.Queue[Group | BaseException]] = {}
         self.filling = 1  # the batch being assembled
+        self._batches_pruned = 0  # batch files up to this step are deleted
         self.stats = StepStats()
 
     # -- producing groups -------------------------------------------------------------------------
@@ -256,31 +257,25 @@ class Orchestrator:
 
     # -- policies ---------------------------------------------------------------------------------
 
-    async def _follow_policies(self) -> None:
-        """Load each policy the trainer publishes, as soon as it is complete (or, when the trainer broadcasts
-        them, follow the version the servers serve)."""
-        if self.config.weight_transport == "broadcast":
-            while True:
-                await self.pool.follow_broadcast()
-                await asyncio.sleep(0.05)
-        policies = self.run_dir / "policies"
+    async def _follow_policies(self, follower: PolicyFollower) -> None:
+        """Bring every server to each policy the trainer publishes, and prune what that makes obsolete."""
+        pruned = self.pool.version
         while True:
-            newest = latest_policy(policies)
-            if newest > self.pool.version:
-                await self.pool.load_policy(policy_dir(policies, newest).resolve(), newest)
+            await follower.poll()
+            if self.pool.version > pruned:
+                pruned = self.pool.version
+                self._prune(pruned)
             await asyncio.sleep(0.05)
 
-    async def _rendezvous(self) -> Rendezvous:
-        """The trainer's weight-broadcast rendezvous, once trainer rank 0 has announced it."""
-        path = announce_path(self.run_dir)
-        deadline = time.monotonic() + self.config.inference.startup_timeout_s
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the trainer announced no weight broadcast in {path} (is it using weights.transport = broadcast?)"
-                )
-            await asyncio.sleep(0.1)
-        return Rendezvous.model_validate_json(path.read_text())
+    def _prune(self, served: int) -> None:
+        """Every server serves policy `served`: no server loads an older policy directory again, and the
+        trainer has trained every batch up to `served` (a resume starts after a checkpoint <= `served`, from
+        batches the orchestrator writes again; its policy the trainer re-exports if it is gone)."""
+        prune_policies(self.run_dir / "policies", served)
+        if not self.config.keep_batches:
+            for step in range(self._batches_pruned + 1, served + 1):
+                batch_path(self.run_dir / "batches", step).unlink(missing_ok=True)
+            self._batches_pruned = max(self._batches_pruned, served)
 
     async def _wait_for_policy(self, version: int) -> None:
         deadline = time.monotonic() + self.config.policy_timeout_s
@@ -405,9 +400,11 @@ class Orchestrator:
         followers = None
         try:
             await self.pool.wait_healthy()
-            if self.config.weight_transport == "broadcast":
-                await self.pool.join_broadcast(await self._rendezvous())
-            followers = asyncio.gather(self._follow_policies(), self._producer())
+            follower = make_follower(
+                self.config.weight_transport, self.pool, self.run_dir, self.config.inference.startup_timeout_s
+            )
+            await follower.start()
+            followers = asyncio.gather(self._follow_policies(follower), self._producer())
             for step in range(resume_step + 1, self.config.max_steps + 1):
                 self.filling = step
                 await self._wait_for_policy(step - 1 - self.config.async_level)
