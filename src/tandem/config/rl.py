@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import RunConfig
@@ -23,6 +23,15 @@ class RlDeployConfig(Section):
     """GPU indices for inference, split evenly over the servers in order (one each for the built-in engine). Empty: no GPU when trainer_gpus are set, else every GPU (shared with the trainer)."""
     inference_servers: int = Field(1, gt=0)
     """Inference servers to start; the orchestrator spreads rollouts over all of them."""
+    trainer_memory_gib: Literal["auto"] | float = "auto"
+    """When trainer and inference share a GPU (no trainer_gpus, no inference_gpus): GiB of it kept for the trainer; inference gets the rest (its gpu_memory_utilization and KV cache, unless set). auto: estimated from the model, micro-batch and seq_len."""
+
+    @field_validator("trainer_memory_gib")
+    @classmethod
+    def _positive(cls, value: str | float) -> str | float:
+        if value != "auto" and value <= 0:
+            raise ValueError('must be "auto" or a positive number of GiB')
+        return value
 
     @model_validator(mode="after")
     def _devices_fit(self) -> RlDeployConfig:
