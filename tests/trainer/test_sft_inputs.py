@@ -20,7 +20,7 @@ def no_model_build(monkeypatch):
     def build(*args, **kwargs):
         raise AssertionError("the model was built before the mistake was found")
 
-    monkeypatch.setattr(sft, "build_training_model", build)
+    monkeypatch.setattr(sft, "build_training", build)
     yield
     if dist.is_initialized():  # a run that got past its input checks joined a group of one
         dist.destroy_process_group()
