@@ -79,6 +79,16 @@ class EngineStats:
     """Decode steps launched before the host read the previous step's tokens (`overlap_steps`)."""
     policy_version: int
     paused: bool
+    weight_swaps: int
+    """Weight swaps done (`swap_weights`)."""
+    swap_pause_s: float
+    """Seconds generation paused for them, in total (each swap's in-place copy)."""
+    busy_s: float
+    """Seconds the engine thread spent running steps, in total; the rest it idled, waiting for work or paused."""
+    peak_allocated_bytes: int | None
+    """Peak GPU memory the allocator handed out in this process (`torch.cuda.max_memory_allocated`); None on CPU."""
+    peak_reserved_bytes: int | None
+    """Peak GPU memory the allocator held from the driver (`torch.cuda.max_memory_reserved`); None on CPU."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +197,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._rate: deque[tuple[float, int]] = deque()
         self._rate_lock = threading.Lock()
-        self._counts = {"generated": 0, "prompt": 0, "finished": 0, "aborted": 0, "steps": 0, "overlapped": 0}
+        names = ("generated", "prompt", "finished", "aborted", "steps", "overlapped", "swaps")
+        self._counts = dict.fromkeys(names, 0)
+        self._swap_s = self._busy_s = 0.0
         self.gauges = Gauges()
 
     def _decoder(self) -> EagerDecoder | GraphedDecoder:
@@ -340,6 +352,7 @@ class Engine:
             span = now - self._rate[0][0] if self._rate else 0.0
             rate = sum(count for _, count in self._rate) / span if span > 0 else 0.0
         gauges = self.gauges
+        cuda = self.device.type == "cuda"
         return EngineStats(
             running=gauges.running,
             waiting_requests=gauges.waiting_requests,
@@ -355,6 +368,11 @@ class Engine:
             overlapped_steps=self._counts["overlapped"],
             policy_version=self.version,
             paused=self.paused,
+            weight_swaps=self._counts["swaps"],
+            swap_pause_s=self._swap_s,
+            busy_s=self._busy_s,
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(self.device) if cuda else None,
         )
 
     def check(self, prompt: list[int], params: SamplingParams, *, n: int = 1, detokenize: bool = False) -> int:
@@ -439,8 +457,12 @@ class Engine:
             try:
                 if self.paused or not self._requests:
                     self._land()  # the step in flight, if any; then idle until a command comes
-                elif not self._step():
-                    self._drain(block=True, timeout=0.01)
+                else:
+                    started = time.monotonic()
+                    stepped = self._step()
+                    self._busy_s += time.monotonic() - started
+                    if not stepped:
+                        self._drain(block=True, timeout=0.01)
             except Exception as error:
                 self._contain(error)
             self._publish()
@@ -530,8 +552,11 @@ class Engine:
             self.error = f"a weight swap failed part-way; the model is inconsistent: {error}"
             raise
         self.version = version
+        pause_s = time.monotonic() - started
+        self._counts["swaps"] += 1
+        self._swap_s += pause_s
         logger.info("policy version %d loaded", version)
-        return time.monotonic() - started
+        return pause_s
 
     def _step(self) -> bool:
         previous = self.in_flight
