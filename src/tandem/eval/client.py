@@ -4,7 +4,9 @@ Nothing here is eval-specific: the orchestrator sends training rollouts
 through the same client (`request` takes any path, e.g. a token-in endpoint).
 Every attempt that says something about the server's load (a success, or a
 timeout / connection error / 5xx / 429) is reported as a `Feedback`, so an
-`AdaptiveLimiter` can follow the server.
+`AdaptiveLimiter` can follow the server. Bodies are JSON; `request(..., msgpack=True)`
+sends and asks for msgpack instead (tandem's `/generate`), much cheaper for big token and
+logprob lists, and decodes whichever of the two the server answered with.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import httpx
 
 from tandem.config.eval import RetryConfig
 from tandem.eval.concurrency import Feedback
+from tandem.inference import msgpack_codec
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO, drowning a run's log
 
@@ -47,7 +50,7 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class Reply:
-    """A successful response: its JSON body and what it took to get it."""
+    """A successful response: its decoded body (JSON or msgpack) and what it took to get it."""
 
     data: Any
     latency_s: float
@@ -77,6 +80,24 @@ def _server_root(base_url: str) -> str:
     """`http://host:port/v1` and `http://host:port` both name the server; paths below add `/v1` themselves."""
     root = base_url.rstrip("/")
     return root.removesuffix("/v1")
+
+
+_MSGPACK_HEADERS = {"Content-Type": msgpack_codec.MEDIA_TYPE, "Accept": msgpack_codec.MEDIA_TYPE}
+
+
+def _decoded(response: httpx.Response, method: str, path: str, msgpack: bool) -> Any:
+    """The body: msgpack (decoded safely) when it was asked for and its `Content-Type` says so (a server that
+    cannot answer msgpack answers JSON), else JSON; RequestError if it is not what it says."""
+    media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if msgpack and media == msgpack_codec.MEDIA_TYPE:
+        try:
+            return msgpack_codec.unpack(response.content)
+        except msgpack_codec.MsgpackError as error:
+            raise RequestError("protocol", f"{method} {path}: {error}") from None
+    try:
+        return response.json()
+    except ValueError:
+        raise RequestError("protocol", f"{method} {path}: response is not JSON: {response.text[:200]!r}") from None
 
 
 def _header_number(response: httpx.Response, name: str) -> float | None:
@@ -111,13 +132,16 @@ class OpenAIClient:
             transport=transport,
         )
 
-    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Reply:
-        """Send one request, retrying the failures `retries.retry_on` names; raises RequestError."""
+    async def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, msgpack: bool = False
+    ) -> Reply:
+        """Send one request, retrying the failures `retries.retry_on` names; raises RequestError. With `msgpack`,
+        the body goes as msgpack and the response is asked for in msgpack (errors still come as JSON)."""
         attempt = 0
         while True:
             started = time.monotonic()
             try:
-                response = await self._attempt(method, path, body)
+                response = await self._attempt(method, path, body, msgpack)
                 break
             except RequestError as error:
                 if error.kind in OVERLOAD_KINDS:
@@ -131,16 +155,18 @@ class OpenAIClient:
         depth = _header_number(response, QUEUE_DEPTH_HEADER)
         queue_depth = None if depth is None else int(depth)
         self._report(Feedback(started, latency, queue_depth=queue_depth))
-        try:
-            data = response.json()
-        except ValueError:
-            raise RequestError("protocol", f"{method} {path}: response is not JSON: {response.text[:200]!r}") from None
-        return Reply(data, latency, attempt + 1, queue_depth)
+        return Reply(_decoded(response, method, path, msgpack), latency, attempt + 1, queue_depth)
 
-    async def _attempt(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+    async def _attempt(
+        self, method: str, path: str, body: dict[str, Any] | None, msgpack: bool = False
+    ) -> httpx.Response:
         try:
             async with asyncio.timeout(self.timeout_s):
-                response = await self._http.request(method, path, json=body)
+                if msgpack:
+                    content = None if body is None else msgpack_codec.pack(body)
+                    response = await self._http.request(method, path, content=content, headers=_MSGPACK_HEADERS)
+                else:
+                    response = await self._http.request(method, path, json=body)
         except TimeoutError:
             raise RequestError("timeout", f"{method} {path}: no response within {self.timeout_s:g}s") from None
         except httpx.TransportError as error:

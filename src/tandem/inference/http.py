@@ -1,5 +1,5 @@
 """HTTP plumbing shared by every tandem route: the built-in server (server.py), tandem's routes on a vLLM server
-(vllm/routes.py) and the weight-broadcast endpoint (weights_broadcast.py), so both engines read, check and refuse
+(vllm/routes.py) and the weight receiver (weights_receiver.py), so both engines read, check and refuse
 a request the same way.
 
 - **Errors.** A handler raises `HTTPError`; `answer` turns it into `{"error": {"message", "type", "param",
@@ -7,7 +7,10 @@ a request the same way.
   before its body has arrived costs one log line (and a 499 nobody reads).
 - **Bodies.** At most `max_body_bytes` (413, before a byte is read when `Content-Length` already says so),
   parsed strictly into a pydantic model; a large body is parsed on a worker thread, so the event loop keeps
-  answering `/health` and the other requests meanwhile.
+  answering `/health` and the other requests meanwhile. A route may also take msgpack (`/generate`, for the
+  rollout path): a body sent as `Content-Type: application/msgpack` is decoded safely (`msgpack_codec`) and
+  validated by the same model, and `encoded_response` answers in msgpack to a request whose `Accept` names
+  it. Errors are always JSON.
 - **Admin routes** (`AdminGuard`): the bearer token when one is configured; a body must be declared JSON and an
   `Origin` header, when a browser sends one, must name this server. A page on another site (or a DNS-rebound
   name) therefore cannot reach them: the "simple" requests a browser sends cross-site without asking (a form,
@@ -21,6 +24,7 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -30,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.config.inference import InferenceConfig
+from tandem.inference import msgpack_codec
 from tandem.net import is_loopback
 
 logger = logging.getLogger(__name__)
@@ -120,19 +125,48 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse(request: Request, model: type[M], max_bytes: int) -> M:
-    """The body validated strictly as `model` (400 naming the field), off the event loop when it is large."""
+def _media_types(header: str) -> list[str]:
+    """The media types a `Content-Type` or `Accept` header names, lower case, parameters dropped."""
+    return [part.split(";")[0].strip().lower() for part in header.split(",")]
+
+
+def sends_msgpack(request: Request) -> bool:
+    return _media_types(request.headers.get("content-type", ""))[0] == msgpack_codec.MEDIA_TYPE
+
+
+def accepts_msgpack(request: Request) -> bool:
+    return msgpack_codec.MEDIA_TYPE in _media_types(request.headers.get("accept", ""))
+
+
+async def parse(request: Request, model: type[M], max_bytes: int, *, msgpack: bool = False) -> M:
+    """The body validated strictly as `model` (400 naming the field), off the event loop when it is large. With
+    `msgpack`, a body sent as msgpack is decoded (400 saying what is malformed) and validated by `model` too."""
     body = await read_body(request, max_bytes)
+    validate = partial(_validate_msgpack, model) if msgpack and sends_msgpack(request) else model.model_validate_json
     try:
         if len(body) > OFF_LOOP_BYTES:
-            return await asyncio.to_thread(model.model_validate_json, body)
-        return model.model_validate_json(body)
+            return await asyncio.to_thread(validate, body)
+        return validate(body)
     except ValidationError as error:
         raise HTTPError(400, describe(error)) from None
+    except msgpack_codec.MsgpackError as error:
+        raise HTTPError(400, str(error), param="body") from None
+
+
+def _validate_msgpack(model: type[M], body: bytes) -> M:
+    return model.model_validate(msgpack_codec.unpack(body))
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def encoded_response(request: Request, model: BaseModel, status: int = 200) -> Response:
+    """`model` in msgpack when the request's `Accept` names it, else JSON."""
+    if accepts_msgpack(request):
+        body = msgpack_codec.pack(model.model_dump())
+        return Response(body, status_code=status, media_type=msgpack_codec.MEDIA_TYPE)
+    return json_response(model, status)
 
 
 def sse(data: BaseModel | dict[str, Any]) -> str:

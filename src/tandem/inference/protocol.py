@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_STOP_STRINGS = 16
@@ -48,9 +48,11 @@ TopN = Annotated[int, Field(ge=0, le=MAX_INT32)]
 """How many top logprobs; the engine also checks it against the server's max_logprobs."""
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 LogitBias = Annotated[
-    dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    dict[Annotated[TokenId, Strict(False)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
     Field(max_length=MAX_LOGIT_BIAS_TOKENS),
 ]
+"""Token id -> bias. Map keys are strings in JSON and msgpack alike, so the ids are read from strings ("5"),
+the same way for both bodies."""
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 """Any 64-bit pattern, signed or unsigned."""
 

@@ -40,6 +40,7 @@ from tandem.inference.http import (
     check_version_order,
     client_gone,
     describe,
+    encoded_response,
     endpoint,
     error_body,
     json_response,
@@ -288,7 +289,8 @@ class InferenceServer:
         return json_response(ModelList(data=[card]))
 
     async def generate(self, request: Request) -> Response:
-        body = await self._parse(request, GenerateRequest)
+        """Token ids in, token ids, logprobs and masks out; in JSON or msgpack (`Content-Type`, `Accept`)."""
+        body = await parse(request, GenerateRequest, self.max_body_bytes, msgpack=True)
         self._check_model(body.model)
         params = body.sampling
         batch = Batch(self.engine, body.prompts, params, body.n, stream=False, text=False)
@@ -306,7 +308,7 @@ class InferenceServer:
         response = GenerateResponse(
             id=f"gen-{uuid.uuid4().hex}", model=self.model_name, policy_version=self.engine.version, outputs=outputs
         )
-        return json_response(response)
+        return encoded_response(request, response)
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)

