@@ -11,7 +11,10 @@ from tandem.inference.protocol import SamplingParams
 from tandem.inference.serving_log import METRICS_FILE, ServingSummary
 from tandem.jsonl import read_records
 
-KEYS = {"time", "requests", "tokens_per_s", "running", "waiting", "kv_usage"}
+KEYS = {
+    "time", "requests", "tokens_per_s", "running", "waiting", "kv_usage",
+    "weight_swaps", "swap_pause_s", "busy_fraction", "peak_allocated_gib", "peak_reserved_gib",
+}  # fmt: skip
 
 
 def test_each_record_covers_its_interval_and_an_idle_server_still_writes_one(make_engine, tmp_path, caplog):
