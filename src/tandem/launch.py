@@ -30,6 +30,7 @@ from tandem.jsonl import keep_steps_up_to
 from tandem.net import is_loopback
 from tandem.orchestrator.main import PER_STEP_FILES
 from tandem.run import atomic_write_text, claim_run_dir, log_tail, prepare_run_dir
+from tandem.shared_gpu import split_shared_gpu
 from tandem.trainer.ckpt import resolve_resume
 from tandem.trainer.model import read_model_args
 from tandem.transport.batches import batch_path
@@ -229,8 +230,11 @@ class ChildFailed(RuntimeError):
 def run_rl(config: RlConfig) -> int:
     """The `tandem rl` runner."""
     read_model_args(config.trainer)  # a bad model path is one line here, not a child's failure after start-up
+    config, memory_plan = split_shared_gpu(config)  # one GPU for both: a split that cannot fit fails here
     claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
     prepare_run_dir(config, "rl")
+    if memory_plan is not None:
+        logger.info("%s", memory_plan)
     resume_step = _resume_step(config) if config.resume.enabled else 0
     _cut_step_files(config.run_dir, resume_step)
     config = _configure(config, resume_step)
