@@ -43,6 +43,7 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     result = tandem_rl(
         tiny_model_dir("qwen3"), tmp_path, "@", write_sources(tmp_path), "--max-steps", "3",
         "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage",
+        "--trainer.weights.transport", "file", "--orchestrator.keep-batches",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "rl"
@@ -55,8 +56,10 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     assert all(r["mismatch_kl"] is not None and abs(r["mismatch_kl"]) < 1e-3 for r in trainer), trainer
     assert [r["policy_version"] for r in rollouts] == [0, 1, 2]
     assert all(r["staleness"] == {"1": 16} for r in rollouts)
-    for step in (1, 2, 3):
-        assert (run_dir / "policies" / f"step-{step:06d}" / "COMPLETE").exists()
+    # every policy was a directory; once every server served policy N, the older ones were pruned
+    assert (run_dir / "policies" / "step-000003" / "COMPLETE").exists()
+    assert not (run_dir / "policies" / "step-000001").exists()
+    assert len(list((run_dir / "batches").glob("step-*.safetensors"))) == 3  # keep_batches
     assert "step 3/3" in result.stderr
     # online evals every 2 steps, through the eval stack, in the same metrics stream
     assert [e["step"] for e in evals] == [2]
@@ -118,7 +121,10 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     assert [r["step"] for r in trainer] == list(range(1, 13))
     assert [r["step"] for r in rollouts] == list(range(1, 13))
     assert [r["step"] for r in records(run_dir / "rollouts.jsonl")] == [s for s in range(1, 13) for _ in (0, 1)]
-    assert all((run_dir / "policies" / f"step-{s:06d}" / "COMPLETE").exists() for s in range(1, 13))
+    # the final policy is the run's result; what every server moved past was pruned, batches included
+    assert sorted(p.name for p in (run_dir / "policies").iterdir()) == ["step-000012"]
+    # batch 12 waited for policy 10 (async_level 1): the trained batches up to 10 are gone
+    assert {p.name for p in (run_dir / "batches").iterdir()} <= {f"step-{s:06d}.safetensors" for s in (11, 12)}
     # The reward keeps rising through the resume (an uninterrupted run: 0.09 over the first 3 steps, 0.37 over
     # the last 3), far above the batch-to-batch noise (~0.02).
     rewards = [r["reward"] for r in rollouts]
@@ -131,6 +137,7 @@ def test_top_k_top_p_rollouts_replay_the_same_distribution_in_the_trainer(tiny_m
         '[[orchestrator.source]]\nid = "reverse_text"\nsampling = { top_k = 20, top_p = 0.8, max_tokens = 16 }\n'
     )
     flags = ["--max-steps", "2", "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage"]
+    flags += ["--orchestrator.keep-batches"]  # batch 1 is read back below
     result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", str(sources), *flags)
     assert result.returncode == 0, result.stderr[-4000:]
     from tandem.transport.batches import read_batch

@@ -15,7 +15,7 @@ from inference_support import wait_until
 
 from tandem.inference import client_template
 from tandem.inference.http import OFF_LOOP_BYTES
-from tandem.inference.weights_broadcast import BroadcastEndpoint
+from tandem.inference.weights_receiver import ReceiverEndpoint
 
 USER = [{"role": "user", "content": "hello"}]
 
@@ -196,13 +196,15 @@ def test_admin_routes_refuse_what_a_browser_page_on_another_site_can_send(server
 
 
 def test_a_broadcast_join_connects_only_to_loopback_or_configured_hosts(server):
-    join = {"host": "10.1.2.3", "port": 29500, "backend": "gloo", "timeout_s": 1.0, "rank": 1, "world_size": 2}
-    reply = httpx.post(f"{server.url}/weights/broadcast/join", json=join)
+    join = {"kind": "broadcast", "host": "10.1.2.3", "port": 29500, "backend": "gloo", "timeout_s": 1.0, "rank": 1}
+    join["world_size"] = 2
+    reply = httpx.post(f"{server.url}/weights/join", json=join)
     assert reply.status_code == 403 and "broadcast_hosts" in reply.json()["error"]["message"]
     for port in (0, 70000):
-        assert httpx.post(f"{server.url}/weights/broadcast/join", json={**join, "port": port}).status_code == 400
-    assert httpx.get(f"{server.url}/weights/broadcast").json()["state"] == "idle"
-    endpoint = BroadcastEndpoint(server.engine, ["10.1.2.3"])
+        assert httpx.post(f"{server.url}/weights/join", json={**join, "port": port}).status_code == 400
+    assert httpx.post(f"{server.url}/weights/join", json={**join, "kind": "shared"}).status_code == 400  # no backend
+    assert httpx.get(f"{server.url}/weights").json()["state"] == "idle"
+    endpoint = ReceiverEndpoint(server.engine, ["10.1.2.3"])
     endpoint._check_host("10.1.2.3")
     endpoint._check_host("127.0.0.1")
     endpoint._check_host("::1")

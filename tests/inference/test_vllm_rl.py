@@ -15,7 +15,6 @@ from inference_support import INIT_STD
 
 from tandem.models import load_model
 from tandem.transport.batches import read_batch
-from tandem.transport.policies import policy_dir
 
 pytestmark = [
     pytest.mark.vllm,
@@ -65,6 +64,7 @@ def test_tandem_rl_trains_against_vllm_and_serves_each_new_policy(tiny_model_dir
         "--inference.engine", "vllm", "--inference.device", "cpu", "--orchestrator.batch-size", "16",
         "--orchestrator.group-size", "4", "--orchestrator.async-level", "0",
         "--orchestrator.no-filter-zero-advantage", "--trainer.optim.lr", "1e-3",
+        "--orchestrator.keep-batches", "--trainer.ckpt.hf-interval", "1",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -80,7 +80,7 @@ def test_tandem_rl_trains_against_vllm_and_serves_each_new_policy(tiny_model_dir
     assert all(r["staleness"] == {"1": 16} for r in rollouts)
     assert all(r["mismatch_kl"] is not None and abs(r["mismatch_kl"]) < 1e-6 for r in trainer), trainer
     # Each update changed what vLLM samples from: batch N's logprobs are policy N-1's, far from policy N-2's.
-    policies = [model] + [policy_dir(run_dir / "policies", step) for step in range(1, STEPS)]
+    policies = [model] + [run_dir / "hf" / f"step-{step:06d}" for step in range(1, STEPS)]  # pruning keeps these
     for step in range(2, STEPS + 1):
         batch, _ = read_batch(run_dir / "batches", step, 0, 1)
         served, previous = mismatch_kl(policies[step - 1], batch), mismatch_kl(policies[step - 2], batch)

@@ -217,7 +217,7 @@ def _origin_is_this_server(origin: str, server: tuple[str, int] | None) -> bool:
 
 
 class AdminGuard:
-    """Who may call an admin route (`/update_weights`, `/pause`, `/resume`, `/weights/broadcast/join`)."""
+    """Who may call an admin route (`/update_weights`, `/pause`, `/resume`, `/weights/join`)."""
 
     def __init__(self, token: str | None) -> None:
         self.token = token
