@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from tandem.envs.tool_parsers import ToolParser
+from tandem.inference import tool_calls
 from tandem.inference.outputs import PromptLogprobs, SampleRecord, SampleUpdate, TopLogprobs
 from tandem.inference.protocol import (
     ChatCompletionRequest,
@@ -105,18 +107,50 @@ def joined(first: CompletionLogprobs | None, second: CompletionLogprobs | None) 
     )
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """The conversation rendered by the tokenizer's chat template, as token ids."""
+def chat_tools(
+    tools: Sequence[Any] | None, tool_choice: Any, tokenizer: Any
+) -> tuple[list[dict[str, Any]], ToolParser] | None:
+    """The tools to render and the parser for the model's calls, or None when no tools are rendered."""
+    try:
+        rendered = tool_calls.checked_tools(tools, tool_choice)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    if rendered is None:
+        return None
+    try:
+        return rendered, tool_calls.reply_parser(getattr(tokenizer, "chat_template", None))
+    except ValueError as error:
+        raise RequestError(f"tools: this model's tool calls cannot be read: {error}") from None
+
+
+def chat_prompt(
+    body: ChatCompletionRequest, tokenizer: Any, tools: Sequence[dict[str, Any]] | None = None
+) -> list[int]:
+    """The conversation (and `tools`, if any) rendered by the tokenizer's chat template, as token ids."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions")
-    messages = [message.template_dict() for message in body.messages]
+    messages = [tool_calls.template_message(message.template_dict()) for message in body.messages]
+    extra = {"tools": list(tools)} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **body.chat_template_kwargs
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            **extra,
+            **body.chat_template_kwargs,
         )
     except Exception as error:  # template errors (a role it rejects, a missing variable) are the caller's
         raise RequestError(f"messages: the chat template failed: {error}") from None
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def chat_reply(text: str, engine_reason: str, parser: ToolParser | None) -> tuple[dict[str, Any], str]:
+    """A finished choice's message fields (`content`, and `tool_calls` when tools were rendered) and its finish
+    reason (`tool_calls` when the model called one)."""
+    if parser is None:
+        return {"content": text}, engine_reason
+    content, calls = tool_calls.tool_reply(text, parser)
+    return {"content": content, "tool_calls": calls}, tool_calls.finish_reason(calls, engine_reason)
 
 
 def chat_sampling(body: ChatCompletionRequest) -> SamplingParams:
