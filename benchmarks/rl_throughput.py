@@ -75,7 +75,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
 }
 # Settings of every RL run that the benchmark needs: fixed-length rollouts, batches kept for the baselines.
-ALWAYS = {"orchestrator.keep_batches": True}
+ALWAYS = {"orchestrator.keep_batches": True, "trainer.speed.save_final": False}
 LOG_FILES_SHOWN = 40  # lines of each process's log printed when a run fails
 TARGETS = {"step_s": 2.5, "vs_ideal": 1.3, "mfu": 0.35, "inference_share": 0.8}
 
@@ -91,7 +91,7 @@ class Setting:
     warmup: int
     steps: int
     dtype: str
-    gpu_memory_utilization: float
+    gpu_memory_utilization: float | None
     transport: str
     decode_repeats: int
     prompt_len: int  # the decode baseline's prompt length when no RL run measured one
@@ -268,7 +268,11 @@ class Bench:
         extra, missing = flags({**ALWAYS, **RECIPES[run.recipe]})
         result.notes += [f"missing {key}" for key in missing]
         transport = ["--trainer.weights.transport", s.transport] if s.transport != "auto" else []
-        memory = [] if s.smoke else ["--inference.gpu-memory-utilization", str(s.gpu_memory_utilization)]
+        memory = (
+            []
+            if s.gpu_memory_utilization is None
+            else ["--inference.gpu-memory-utilization", str(s.gpu_memory_utilization)]
+        )
         command = [
             sys.executable, "-m", "tandem", "rl", "@", str(sources), "--model.name", str(model_dir),
             "--model.dtype", s.dtype, "--seq-len", str(s.seq_len), "--output-dir", str(self.work),
@@ -614,7 +618,8 @@ def decode_alone(spec: dict[str, Any], out: str) -> None:
     if spec["inference_toml"]:
         config = load_config(InferenceConfig, ["@", spec["inference_toml"]])[0]
     else:
-        on_gpu = {"gpu_memory_utilization": spec["gpu_memory_utilization"]} if torch.cuda.is_available() else {}
+        share = spec["gpu_memory_utilization"]
+        on_gpu = {"gpu_memory_utilization": share} if share is not None and torch.cuda.is_available() else {}
         config = InferenceConfig(seq_len=spec["seq_len"], model={"dtype": spec["dtype"]}, **on_gpu)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(spec["model_dir"], dtype=getattr(torch, config.model.dtype), device=device)
@@ -692,7 +697,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=16, help="rollouts per prompt (GRPO group, n)")
     parser.add_argument("--gen-len", type=int, default=256, help="new tokens per rollout (ignore_eos)")
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="inference's share of the GPU")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=None,
+        help="inference's share of the GPU (default: tandem rl splits the GPU itself, deploy.trainer_memory_gib)",
+    )  # fmt: skip
     parser.add_argument("--decode-repeats", type=int, default=3, help="batches timed in the engine-alone baseline")
     parser.add_argument("--prompt-len", type=int, default=40, help="decode prompt length when no RL run gives one")
     parser.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
@@ -702,7 +710,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", help="only the runs whose names match one of these shell patterns")
     args = parser.parse_args()
     if args.smoke:
-        setting = Setting(4, 2, 8, 256, 1, 1, "float32", 0.35, args.transport, 1, 16, True)
+        setting = Setting(4, 2, 8, 256, 1, 1, "float32", None, args.transport, 1, 16, True)
         models, recipes = ["tiny"], ["default"]
     else:
         import torch
