@@ -1,8 +1,9 @@
-"""The inference servers as the orchestrator sees them: token-in generation, least-loaded choice, weight updates.
+"""The inference servers as the orchestrator sees them: token-in generation, least-loaded choice, idle time.
 
-Any server that speaks the built-in engine's `/generate`, `/update_weights`, `/pause` and `/resume`
-contract works (docs/inference.md), so the built-in engine and vLLM look the same from here. Rollouts go as
-msgpack both ways (16 samples x 256 ids, logprobs and versions cost a fifth of the JSON's encode and parse).
+Any server that speaks the built-in engine's `/generate` contract works (docs/inference.md), so the built-in
+engine and vLLM look the same from here. Rollouts go as msgpack both ways: 16 samples x 256 ids, logprobs and
+versions cost about a third of JSON's encode, parse and validation. Weight updates are the followers' of
+`tandem.transport.weights`, which set `version` and `loaded`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig, RolloutSamplingConfig
 from tandem.eval.client import OpenAIClient, RequestError
 from tandem.inference.masks import decode_mask, mask_size
 from tandem.inference.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
-from tandem.transport.broadcast import JoinRequest, ReceiverStatus, Rendezvous, WeightBroadcastError
 
 logger = logging.getLogger(__name__)
 
@@ -101,48 +99,6 @@ class InferencePool:
         # msgpack decodes to plain lists and numbers; the model checks every field the trainer relies on
         response = GenerateResponse.model_validate(reply.data)
         return [_completion(sample) for sample in response.outputs[0].samples]
-
-    async def load_policy(self, path: Path, version: int) -> None:
-        """Pause every server, swap in policy `version`, resume: requests in flight continue with it.
-
-        The first load may roll the servers back: long-lived servers may serve a later policy than the one a
-        resumed run continues from."""
-        body: dict[str, Any] = {"path": str(path), "version": version, "rollback": not self.loaded}
-        await asyncio.gather(*(client.request("POST", "/pause") for client in self.clients))
-        try:
-            await asyncio.gather(*(client.request("POST", "/update_weights", body) for client in self.clients))
-        finally:
-            await asyncio.gather(*(client.request("POST", "/resume") for client in self.clients))
-        self.version, self.loaded = version, True
-        logger.info("inference now serves policy %d", version)
-
-    async def join_broadcast(self, rendezvous: Rendezvous) -> None:
-        """Have every server join the trainer's weight broadcast (server i is rank i + 1); returns once all have."""
-        world_size = len(self.clients) + 1
-        for rank, client in enumerate(self.clients, start=1):
-            join = JoinRequest(**rendezvous.model_dump(), rank=rank, world_size=world_size)
-            await client.request("POST", "/weights/broadcast/join", join.model_dump())
-        deadline = time.monotonic() + rendezvous.timeout_s
-        while any(status.state == "joining" for status in await self.follow_broadcast()):
-            if time.monotonic() > deadline:
-                raise WeightBroadcastError(
-                    f"the inference servers did not join the weight broadcast in {rendezvous.timeout_s:g}s"
-                )
-            await asyncio.sleep(0.1)
-        logger.info("%d inference servers joined the trainer's weight broadcast", len(self.clients))
-
-    async def follow_broadcast(self) -> list[ReceiverStatus]:
-        """Each server's broadcast status; `version` becomes the policy all of them serve. Raises if one failed."""
-        replies = await asyncio.gather(*(client.request("GET", "/weights/broadcast") for client in self.clients))
-        statuses = [ReceiverStatus.model_validate(reply.data) for reply in replies]
-        for url, status in zip(self.config.base_urls, statuses, strict=True):
-            if status.state == "failed":
-                raise WeightBroadcastError(f"inference server {url}: {status.error}")
-        version = min(status.policy_version for status in statuses)
-        if version > self.version:
-            self.version = version
-            logger.info("inference now serves policy %d", version)
-        return statuses
 
     async def close(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.clients))
