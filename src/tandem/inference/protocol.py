@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort"]
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
+"""A chat choice's: `tool_calls` when the model called a tool (the engine's reason was `stop`)."""
 MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 0.01
 """The smallest temperature above 0 (vLLM's floor): far below it `logits / T` overflows fp32 (1e-45 gives inf
@@ -355,8 +357,12 @@ class ChatCompletionRequest(_OpenAIRequest):
     response_format: ResponseFormat | None = None
     store: bool | None = None
     """Accepted and ignored: nothing is stored."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools, rendered by the chat template; each schema is checked (`tool_calls.checked_tools`)."""
+    tool_choice: str | dict[str, Any] | None = None
+    """"auto" (the default), "none" (tools are not rendered) or {"type": "function", "function": {"name": ...}}."""
     parallel_tool_calls: bool | None = None
-    """Accepted and ignored: tool calls are whatever the chat template and the model make of `tools` in messages."""
+    """Accepted and ignored: a reply's calls are however many the model writes."""
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)."""
@@ -408,16 +414,33 @@ class ChatLogprobs(WireModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(WireModel):
+    name: str
+    arguments: str
+    """The arguments as a JSON string, as OpenAI sends them."""
+
+
+class ToolCallEntry(WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCallEntry):
+    index: int
+
+
 class AssistantMessage(WireModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallEntry] | None = None
 
 
 class ChatChoice(WireModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
 
@@ -435,13 +458,14 @@ class ChatCompletionResponse(WireModel):
 class ChatDelta(WireModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(WireModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     token_ids: list[int] | None = None
 
 

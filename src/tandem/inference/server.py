@@ -71,6 +71,7 @@ from tandem.inference.protocol import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
+from tandem.inference.tool_calls import ToolStream
 from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, read_weights, resolve_weights_path
 from tandem.inference.weights_receiver import ReceiverEndpoint
 
@@ -222,7 +223,7 @@ class InferenceServer:
     def _check_model(self, name: str | None) -> None:
         check_model(name, self.model_name)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
         """The rendered, tokenized conversation, on a worker thread (under a deadline when the request brings its
         own template)."""
         try:
@@ -231,7 +232,7 @@ class InferenceServer:
             )
         except TemplateRefused as error:
             raise HTTPError(400, str(error), param="chat_template_kwargs") from None
-        render = partial(openai_api.chat_prompt, body, self.prompt_tokenizer)
+        render = partial(openai_api.chat_prompt, body, self.prompt_tokenizer, tools)
         return await asyncio.to_thread(partial(with_deadline, render) if own else render)
 
     def _status(self) -> EngineStatus:
@@ -408,12 +409,14 @@ class InferenceServer:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         try:
-            prompt = await self._chat_prompt(body)
+            tools = openai_api.chat_tools(body.tools, body.tool_choice, self.prompt_tokenizer)
+            prompt = await self._chat_prompt(body, tools and tools[0])
             params = openai_api.chat_sampling(body)
         except ValidationError as error:
             raise HTTPError(400, describe(error)) from None
         except openai_api.RequestError as error:
             raise HTTPError(400, str(error)) from None
+        parser = tools and tools[1]
         batch = Batch(self.engine, [prompt], params, body.n, stream=body.stream, text=True)
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -430,14 +433,19 @@ class InferenceServer:
                     id=response_id, created=created, model=self.model_name, choices=choices, usage=usage
                 )
 
+            streams = [ToolStream(parser) for _ in range(body.n)] if parser else None
+
             async def render(index: int, sample: SampleUpdate) -> BaseModel | None:
-                if not (sample.text or sample.finish_reason or body.logprobs):
+                text, calls, finish = sample.text, None, sample.finish_reason
+                if streams is not None:  # tool calls are held back and sent whole in the choice's last delta
+                    text, calls, finish = streams[sample.sample].update(sample.text, sample.finish_reason)
+                if not (text or finish or body.logprobs):
                     return None
                 choice = ChatChunkChoice(
                     index=sample.sample,
-                    delta=ChatDelta(content=sample.text),
+                    delta=ChatDelta(content=text, tool_calls=calls),
                     logprobs=logprobs(sample.token_ids, sample.logprobs, sample.top_logprobs),
-                    finish_reason=sample.finish_reason,
+                    finish_reason=finish,
                     token_ids=sample.token_ids if body.return_token_ids else None,
                 )
                 return chunk([choice])
@@ -454,17 +462,20 @@ class InferenceServer:
             return Response(status_code=CLIENT_GONE)
 
         def finished() -> list[ChatChoice]:
-            return [
-                ChatChoice(
-                    index=s,
-                    message=AssistantMessage(content=record.text),
-                    logprobs=logprobs(record.token_ids, record.logprobs, record.top_logprobs),
-                    finish_reason=record.finish_reason or "abort",
-                    stop_reason=record.stop_reason,
-                    token_ids=record.token_ids if body.return_token_ids else None,
+            choices = []
+            for s, record in enumerate(batch.collectors[0].samples):
+                message, finish = openai_api.chat_reply(record.text, record.finish_reason or "abort", parser)
+                choices.append(
+                    ChatChoice(
+                        index=s,
+                        message=AssistantMessage(**message),
+                        logprobs=logprobs(record.token_ids, record.logprobs, record.top_logprobs),
+                        finish_reason=finish,
+                        stop_reason=record.stop_reason,
+                        token_ids=record.token_ids if body.return_token_ids else None,
+                    )
                 )
-                for s, record in enumerate(batch.collectors[0].samples)
-            ]
+            return choices
 
         choices = await asyncio.to_thread(finished) if body.logprobs else finished()  # off the loop, as above
         response = ChatCompletionResponse(
