@@ -34,7 +34,7 @@ class ServerThread:
         app = server.app()
         config = uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=1, access_log=False)
         self._server = uvicorn.Server(config)
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
