@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -26,12 +27,13 @@ from typing import Any
 
 from tandem.checkpoints import checkpoints_root, list_checkpoints
 from tandem.config.orchestrator import OrchestratorConfig
-from tandem.envs import Task
+from tandem.envs import MultiTurnTaskset, Task
 from tandem.eval.client import RequestError
 from tandem.files import atomic_write_text
 from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflow
+from tandem.orchestrator.episodes import ChatSuffixes, Rollout, token_episode
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Draw, DrawLedger, Source, TaskSampler, load_sources
@@ -94,6 +96,8 @@ class Orchestrator:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def _run_group(self, draw: Draw) -> Group | None:
+        if isinstance(draw.source.taskset, MultiTurnTaskset):
+            return await self._run_episodes(draw)
         source, task = draw.source, draw.task
         sampling = source.config.sampling
         prompt_ids = self._prompt_ids(task)
@@ -118,6 +122,57 @@ class Orchestrator:
             rewards.append(score.reward)
             metrics.append({**score.metrics, "truncated": float(completion.finish_reason == "length")})
         return Group(draw, prompt_ids, completions, texts, rewards, metrics)
+
+    @functools.cached_property
+    def suffixes(self) -> ChatSuffixes:
+        """The chat template's suffixes for multi-turn rollouts (checked on first use: single-turn runs need none)."""
+        return ChatSuffixes(self.tokenizer)
+
+    async def _run_episodes(self, draw: Draw) -> Group | None:
+        """A multi-turn group: `group_size` episodes, each generated turn by turn from its exact ids
+        (`orchestrator.episodes`). A group with a timed-out or failed episode is dropped, never trained."""
+        source, task = draw.source, draw.task
+        sampling = source.config.sampling
+        base_seed = self.config.seed + draw.index
+
+        def generate_for(member: int):
+            turn = 0
+
+            async def generate(prompt_ids: list[int], max_tokens: int) -> Completion:
+                nonlocal turn
+                turn += 1
+                seed = base_seed + 7919 * (member + 1) + 104729 * turn  # distinct per member and turn, repeatable
+                limited = sampling.model_copy(update={"max_tokens": max_tokens})
+                return (await self.pool.generate(prompt_ids, limited, 1, seed=seed))[0]
+
+            return generate
+
+        episodes = [
+            token_episode(source.taskset, task, self.suffixes, generate_for(member), sampling.max_tokens,
+                          self.config.seq_len)
+            for member in range(self.config.group_size)
+        ]  # fmt: skip
+        try:
+            rollouts: list[Rollout] = await asyncio.gather(*episodes)
+        except RequestError as error:
+            logger.warning("rollout group failed: %s", error)
+            self.stats.dropped["error"] += 1
+            return None
+        if any(r.outcome == "timeout" for r in rollouts):
+            self.stats.dropped["timeout"] += 1
+            return None
+        completions = [
+            Completion(
+                r.completion_ids, r.logprobs, r.versions, "length" if r.outcome == "truncated" else "stop",
+                r.kept_ids if r.any_masks else None, r.trained,
+            )
+            for r in rollouts
+        ]  # fmt: skip
+        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=False) for r in rollouts]
+        metrics = [
+            {**r.metrics, "truncated": float(r.outcome == "truncated"), "turns": float(r.turns)} for r in rollouts
+        ]
+        return Group(draw, rollouts[0].prompt_ids, completions, texts, [r.reward for r in rollouts], metrics)
 
     def _bucket(self, step: int) -> asyncio.Queue[Group | BaseException]:
         return self.buckets.setdefault(step, asyncio.Queue())
@@ -209,6 +264,7 @@ class Orchestrator:
                         temperature,
                         completion.versions,
                         completion.kept_ids,
+                        completion.trained,
                     )
                 )
                 prompt_of.append(index)
@@ -222,7 +278,8 @@ class Orchestrator:
                         "tokens": len(completion.token_ids),
                     }
                 )
-        weights = loss_weights([len(s.completion_ids) for s in samples], prompt_of, advantage.aggregation)
+        targets = [len(s.completion_ids) if s.trained is None else sum(s.trained) for s in samples]
+        weights = loss_weights(targets, prompt_of, advantage.aggregation)
         for sample, weight in zip(samples, weights, strict=True):
             sample.weight = weight
         return samples, records
@@ -243,6 +300,7 @@ class Orchestrator:
             **{f"reward/{name}": sum(v) / len(v) for name, v in by_source.items()},
             "advantage_abs_mean": sum(abs(r["advantage"]) for r in records) / len(records),
             "truncated": sum(m["truncated"] for g in groups for m in g.metrics) / len(records),
+            "turns": sum(m.get("turns", 1.0) for g in groups for m in g.metrics) / len(records),
             **{f"dropped/{reason}": count for reason, count in self.stats.dropped.items()},
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
             "completion_tokens": tokens,

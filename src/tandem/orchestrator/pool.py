@@ -32,6 +32,9 @@ class Completion:
     # Per token, the ids sampling kept ([]: the whole vocabulary; None: more than MAX_REPLAY_KEPT, not listed);
     # None when no token was truncated.
     kept_ids: list[list[int] | None] | None
+    # Per token, whether the engine generated it (a loss target); False on the environment's answers between the
+    # turns of a multi-turn rollout. None: every token was generated.
+    trained: list[bool] | None = None
 
 
 class InferencePool:

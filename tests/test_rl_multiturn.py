@@ -1,0 +1,38 @@
+"""`tandem rl` on a multi-turn environment: every turn is trained, on exactly the ids the engine produced."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tandem.jsonl import read_records
+from tandem.transport.batches import read_batch
+from tests.test_rl_e2e import tandem_rl
+
+
+def test_multi_turn_rl_trains_every_turn_on_the_engines_own_tokens(tiny_model_dir, tmp_path):
+    sources = tmp_path / "sources.toml"
+    sources.write_text(
+        '[[orchestrator.source]]\nid = "guess_number"\nargs = { max_value = 3 }\nsampling = { max_tokens = 6 }\n'
+    )
+    result = tandem_rl(
+        tiny_model_dir("qwen3"), tmp_path, "@", str(sources), "--max-steps", "2", "--orchestrator.async-level", "0",
+        "--orchestrator.no-filter-zero-advantage", "--orchestrator.keep-batches", "--orchestrator.log-samples", "4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = tmp_path / "rl"
+    trainer = list(read_records(run_dir / "metrics.jsonl"))
+    stream = list(read_records(run_dir / "orchestrator_metrics.jsonl"))
+    assert [r["step"] for r in trainer] == [1, 2]
+    # A random tiny model rarely names the secret at once: episodes run several turns.
+    assert all(r["turns"] > 1.5 for r in stream), [r["turns"] for r in stream]
+    # async_level 0: the trainer scores every generated token in the very context it was sampled in.
+    assert all(abs(r["mismatch_kl"]) < 1e-6 for r in trainer), [r["mismatch_kl"] for r in trainer]
+    # The environment's answers sit between the turns as context: inputs, never targets.
+    [micro, *_], _ = read_batch(run_dir / "batches", 1, 0, 1)
+    inputs, targets = micro["input_ids"], micro["target_ids"]
+    context = (targets == -100) & (torch.roll(inputs, -1, dims=1) != 0)
+    assert context.sum() > 0 and (micro["loss_weights"][context] == 0).all()
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert any(r["completion"].count("<|im_start|>user") >= 1 for r in rollouts)
