@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import torch
+from tests.test_rl_e2e import tandem_rl
 
 from tandem.jsonl import read_records
 from tandem.transport.batches import read_batch
-from tests.test_rl_e2e import tandem_rl
 
 
 def test_multi_turn_rl_trains_every_turn_on_the_engines_own_tokens(tiny_model_dir, tmp_path):

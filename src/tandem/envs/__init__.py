@@ -14,8 +14,8 @@ from tandem.envs.select import IdxRange, SelectConfig, SelectError, SelectWarnin
 from tandem.envs.synthetic import SyntheticTaskset
 
 __all__ = [
-    "ContextFull",
     "ROLLOUT_FIELDS",
+    "ContextFull",
     "EnvConfig",
     "Episode",
     "Generate",
