@@ -45,7 +45,11 @@ class ToolParser(ABC):
 
 
 class HermesParser(ToolParser):
-    """Qwen2.5 / Qwen3 / Hermes: each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+    """Qwen2.5 / Qwen3 / Hermes: each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+
+    A block without `"arguments"` is a call with none; the content is the text outside the blocks, stripped
+    (a `<think>` section stays in it: reasoning is not this parser's business).
+    """
 
     name = "hermes"
     open_tag, close_tag = "<tool_call>", "</tool_call>"
