@@ -30,6 +30,7 @@ POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.int64: "*i64",
     torch.int32: "*i32",
+    torch.int8: "*i8",
 }
 
 
@@ -81,7 +82,7 @@ def _launches() -> Iterator[Launch]:
     """Every kernel as the engine and the trainer launch it, at Qwen3-0.6B's shapes, in bf16 (what GPUs run); the
     attention kernels at one row (keys split over programs) and 32 rows, and the one-kernel attention in fp32
     too (the GPU tests run it). Each is (label, the wrapper, its arguments, its keyword arguments)."""
-    from tandem.kernels import decode, gemv, rope, swiglu
+    from tandem.kernels import decode, gemv, gumbel, rope, swiglu
 
     heads, kv_heads, dim, hidden, blocks, block_size = 16, 8, 128, 1024, 40, 16
     for dtype, rows in [(torch.bfloat16, 1), (torch.bfloat16, 32), (torch.float32, 1)]:
@@ -120,6 +121,10 @@ def _launches() -> Iterator[Launch]:
             (tensors(1, rows, heads, dim), tensors(1, rows, dim), tensors(1, rows, dim)),
             {},
         )
+    rows, vocab = 256, 151_936
+    keys = (torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
+    draw = (torch.zeros(rows, dtype=torch.float32), torch.zeros(rows, dtype=torch.bool), *keys)
+    yield "gumbel_max bf16 logits", gumbel.gumbel_max, (torch.zeros(rows, vocab, dtype=torch.bfloat16), *draw), {}
     x = torch.zeros(1, hidden, dtype=torch.bfloat16)
     for config in gemv.CONFIGS[-1:]:  # the same code at every tile size: one suffices
         tile = "x".join(str(config.all_kwargs()[k]) for k in ("BLOCK_N", "BLOCK_K", "num_warps"))

@@ -186,7 +186,7 @@ class Engine:
         )
         self.usable_blocks = num_blocks - 1 - self.scheduler.watermark
         self.decoder = self._decoder()
-        self.sampler = Sampler()
+        self.sampler = Sampler(triton=self.decoder.step is fused_decode_step)
         self.in_flight: InFlight | None = None
         self.version = 0
         self.paused = False

@@ -47,15 +47,21 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def row_keys(seeds: torch.Tensor, samples: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit keys `[R]` (int64 below 2**32) that, hashed with a token id, give a row's noise for that
+    token: one stream per (seed, sample index), one key per step of it."""
+    stream = mix32(mix32(mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ samples)
+    key_a = mix32(stream ^ steps)
+    return key_a, mix32(key_a ^ _SECOND_KEY)
+
+
 def gumbel_noise(seeds: torch.Tensor, samples: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise `[R, W]` for token ids `ids` `[R, W]` (or `[W]`), keyed per row by seed/sample/step.
 
     Two keyed hash rounds give one uniform 32-bit value per (row, token id); `-log(-log1p(-w))` keeps full
     precision for the large values that decide the argmax.
     """
-    stream = mix32(mix32(mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)) ^ samples)
-    key_a = mix32(stream ^ steps)[:, None]
-    key_b = mix32(key_a ^ _SECOND_KEY)
+    key_a, key_b = (key[:, None] for key in row_keys(seeds, samples, steps))
     bits = mix32(mix32(ids ^ key_a) ^ key_b)
     uniform = ((bits.float() + 0.5) * 2.0**-32).clamp_(max=1 - 2.0**-24)
     return -torch.log(-torch.log1p(-uniform))
@@ -211,33 +217,46 @@ def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _draw_whole_vocab(
-    z: torch.Tensor, batch: SamplingBatch, index: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, logprobs, the rows' log-softmax) for rows `index` (None: all) of `z` that sample from the whole
-    vocabulary. One log-softmax kernel, where `logsumexp` launches six: at batch 1 the host's launches, not the
-    GPU, set a decode step's pace."""
-    z = _take(z, index)
+    logits: torch.Tensor, batch: SamplingBatch, index: torch.Tensor | None, triton: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, logprobs) for rows `index` (None: all) of `logits` that sample from the whole vocabulary.
+
+    With `triton` (CUDA logits, no logit additions) one kernel draws every row in a single read of the logits
+    (`tandem.kernels.gumbel`); the torch path below is its reference: the hashed noise alone is ~20 passes over
+    `[R, V]`, which at 256 rows of a 152K vocabulary outlasts the model's decode step. Torch's path uses one
+    log-softmax kernel, where `logsumexp` launches six: at batch 1 the host's launches set a step's pace."""
+    if triton and logits.is_cuda and batch.adjust is None:
+        from tandem.kernels.gumbel import gumbel_max
+
+        keys = row_keys(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index))
+        sampled = _take(batch.temperature, index) > 0
+        return gumbel_max(_take(logits, index), _take(batch.divisor, index), sampled, *keys)
+    z = _take(_tempered(logits, batch), index)
     pick = z
     if batch.any_sampled_plain:
         ids = torch.arange(z.shape[1], device=z.device)
         noise = gumbel_noise(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index), ids)
         pick = torch.where(_take(batch.temperature, index)[:, None] > 0, z + noise, z)
     tokens = pick.argmax(dim=-1)
-    log_probs = z.log_softmax(dim=-1)
-    return tokens, log_probs.gather(1, tokens[:, None])[:, 0], log_probs
+    return tokens, z.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 class Sampler:
-    """Samples the next token of every row of `[R, V]` logits in a few batched tensor ops per row group."""
+    """Samples the next token of every row of `[R, V]` logits in a few batched tensor ops per row group.
+
+    `triton`: draw whole-vocabulary rows of CUDA logits with the Triton Gumbel-max kernel (the engine sets it
+    with its Triton decode kernels); the same tokens as the torch path, in one pass over the logits."""
+
+    def __init__(self, triton: bool = False) -> None:
+        self.triton = triton
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
         rows, vocab = logits.shape
-        z = _tempered(logits, batch)
         out = Sampled([0] * rows, [0.0] * rows, [None] * rows, [[] for _ in range(rows)] if batch.top_width else None)
         if batch.plain:
-            self._whole_vocab(z, batch, out)
+            self._whole_vocab(logits, batch, out)
         if batch.truncated:
-            self._truncated(z, batch, out, vocab)
+            self._truncated(_tempered(logits, batch), batch, out, vocab)
         return out
 
     def on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,14 +266,15 @@ class Sampler:
             raise ValueError(
                 "only rows that sample from the whole vocabulary, without top logprobs, stay on the device"
             )
-        tokens, logprobs, _ = _draw_whole_vocab(_tempered(logits, batch), batch, None)
-        return tokens, logprobs
+        return _draw_whole_vocab(logits, batch, None, self.triton)
 
-    def _whole_vocab(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled) -> None:
+    def _whole_vocab(self, logits: torch.Tensor, batch: SamplingBatch, out: Sampled) -> None:
         rows = batch.plain
-        index = torch.tensor(rows, device=z.device) if len(rows) < z.shape[0] else None
-        tokens, logprobs, log_probs = _draw_whole_vocab(z, batch, index)
-        top = log_probs.topk(batch.top_width, dim=-1) if batch.top_width else None
+        index = torch.tensor(rows, device=logits.device) if len(rows) < logits.shape[0] else None
+        tokens, logprobs = _draw_whole_vocab(logits, batch, index, self.triton)
+        top = None
+        if batch.top_width:
+            top = _take(_tempered(logits, batch), index).log_softmax(dim=-1).topk(batch.top_width, dim=-1)
         self._store(out, rows, tokens, logprobs, top, None, None)
 
     def _truncated(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled, vocab: int) -> None:
