@@ -7,8 +7,10 @@ split would depend on which one allocates first. Instead the launcher plans the 
 - the trainer keeps `deploy.trainer_memory_gib`, or by default an estimate (`trainer_need`): fp32 master weights,
   gradients and AdamW's two moments (16 bytes a parameter, divided over FSDP ranks), the bf16 copies forward and
   backward compute with (2 bytes a parameter), the shared hand-off buffer (the policy in its dtype) when weights
-  go over CUDA IPC, the activations of one micro-batch (`orchestrator.micro_batch_rows` x `seq_len` tokens),
-  the chunked loss's temporaries, and slack for the CUDA context and the allocator's fragmentation. AdamW's step
+  go over CUDA IPC, the activations of one micro-batch (`orchestrator.micro_batch_rows` x `seq_len` tokens;
+  fewer when the blocks are compiled), the chunked loss's temporaries (one chunk of logits in the compute dtype
+  with the fused loss, several fp32 ones without), and slack for the CUDA context and the allocator's
+  fragmentation. AdamW's step
   runs after backward has freed the activations, so its foreach temporaries count only when larger;
 - each server gets its CUDA context, its weights in the serving dtype, the engine's own estimate of one step's
   temporaries (`kv_budget.activation_bytes`) and a KV cache of at least one `seq_len` sequence, and then the
@@ -59,6 +61,9 @@ OPTIMIZER_TEMP_BYTES = 4
 LOGIT_TEMPORARIES = 4
 """fp32 `[chunk, vocab]` tensors the chunked loss holds at once in backward (logits, probabilities, their
 gradient, and the kept-set mask)."""
+FUSED_LOGIT_TEMPORARIES = 2
+"""`[chunk, vocab]` tensors in the compute dtype the fused policy loss holds at once: the chunk's logits, which
+its gradient overwrites in place, and the compiled softmax kernels' outputs."""
 GPU_QUERY_TIMEOUT_S = 120.0
 DEFAULT_UTILIZATION = InferenceConfig.model_fields["gpu_memory_utilization"].default
 """Its default counts as unset even when written out (a run's saved, fully resolved config loaded back)."""
@@ -146,7 +151,7 @@ def parameter_count(args: ModelArgs) -> int:
     return sum(p.numel() for p in build_model(args, device="meta").parameters())
 
 
-def activation_bytes_per_token(args: ModelArgs, checkpointing: str) -> float:
+def activation_bytes_per_token(args: ModelArgs, checkpointing: str, compiled: bool = False) -> float:
     """Bytes a token of a micro-batch holds at the peak, the start of backward: what autograd saved, and one
     block's worth more (backward's gradients of one block at a time, or its recomputation when checkpointed).
 
@@ -155,16 +160,21 @@ def activation_bytes_per_token(args: ModelArgs, checkpointing: str) -> float:
     backward in a real block (tests/test_shared_gpu.py checks it). A MoE block saves k (8 I_e + 8 h) + 8 E for its
     MLP instead of 8 I (top-k copies of each token through experts of width I_e, router logits over E experts).
     A checkpointed block keeps only its fp32 input (4 h). Outside the blocks: the embedding output, the final
-    norm, the hidden states the loss saves and their gradient (16 h), and a few fp32 scalars a token."""
+    norm, the hidden states the loss saves and their gradient (16 h), and a few fp32 scalars a token.
+
+    `compiled` (trainer.compile): inductor saves the bf16 inputs of each pointwise chain and recomputes the chain
+    in backward, so a dense block keeps its fp32 residuals and their bf16 norms (12 h), q and k before and after
+    their norm and RoPE, v and the attention output (6 (q + kv)), and the gate/up projection with its SwiGLU
+    (6 I): about 0.6x of eager at Qwen3's shapes (benchmarks/RESULTS.md compares it with measured peaks)."""
     h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    attention = 20 * h + 12 * (q + kv)
+    attention = 12 * h + 6 * (q + kv) if compiled else 20 * h + 12 * (q + kv)
     blocks: list[float] = []
     for layer in range(args.num_layers):
         if args.is_moe_layer(layer):
             moe = args.moe
             mlp = moe.top_k * (8 * moe.intermediate_size + 8 * h) + 8 * moe.num_experts
         else:
-            mlp = 8 * args.intermediate_size
+            mlp = (6 if compiled else 8) * args.intermediate_size
         blocks.append(attention + mlp)
     kept = [
         4 * h if checkpointing == "full" or (checkpointing == "selective" and layer % 2 == 0) else size
@@ -183,6 +193,10 @@ def trainer_need(config: RlConfig) -> TrainerNeed:
     chunk = min(trainer.loss_chunk_size, tokens)
     vocab_by_hidden = args.vocab_size * args.hidden_size
     policy_bytes = DTYPES[config.inference.model.dtype].itemsize
+    if trainer.speed.fused_loss:
+        logits = FUSED_LOGIT_TEMPORARIES * chunk * args.vocab_size * DTYPES[trainer.model.dtype].itemsize
+    else:
+        logits = LOGIT_TEMPORARIES * chunk * args.vocab_size * 4
     shared = trainer.weights.transport == "shared" or (
         trainer.weights.transport == "auto" and config.inference.engine == "builtin"
     )
@@ -190,9 +204,11 @@ def trainer_need(config: RlConfig) -> TrainerNeed:
         "states": -(-STATE_BYTES * params // ranks),
         "compute_copies": COMPUTE_COPY_BYTES * params,
         "handoff": policy_bytes * params if shared else 0,
-        "activations": int(tokens * activation_bytes_per_token(args, trainer.activation_checkpointing)),
+        "activations": int(
+            tokens * activation_bytes_per_token(args, trainer.activation_checkpointing, compiled=trainer.compile)
+        ),
         # the logits chunks, and the LM head's fp32 gradient the fused loss accumulates (and its bf16 cast)
-        "loss": LOGIT_TEMPORARIES * chunk * args.vocab_size * 4 + vocab_by_hidden * (4 + COMPUTE_COPY_BYTES),
+        "loss": logits + vocab_by_hidden * (4 + COMPUTE_COPY_BYTES),
         "optimizer_temporaries": -(-OPTIMIZER_TEMP_BYTES * params // ranks),
     }
     need = TrainerNeed(**allocated, slack=0)
