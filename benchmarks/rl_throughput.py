@@ -8,7 +8,8 @@ trainer alone and the engine alone on the same work, measured in the same invoca
 The setting (issue 21): random bf16 weights of the model's shape (written once with tandem's build_model and
 save_model) and the real Qwen3 tokenizer; 16 prompts x group 16 = 256 rollouts a step of env reverse_text,
 256 new tokens each at temperature 1 with `ignore_eos` (fixed-length rollouts), seq_len 4096, no zero-advantage
-filtering (every step trains exactly the sampled batch), `--warmup` steps then `--steps` measured steps.
+filtering (every step trains exactly the sampled batch), `--warmup` steps, `--steps` measured steps, and one more
+left out (a run's last step also exports the final policy to disk, a one-off cost).
 Per model and `--recipe` (trainer switches, RECIPES), the runs are:
 
 - `rl-<model>-async<A>-<recipe>`: `python -m tandem rl` with `orchestrator.async_level` A (1 and 0).
@@ -21,7 +22,7 @@ Per model and `--recipe` (trainer switches, RECIPES), the runs are:
   length (random ids), 256 tokens, temperature 1, ignore_eos; one short warm-up batch, then the median wall time
   of `--decode-repeats` batches.
 - `replay-<model>-<recipe>`: `python -m tandem trainer` alone (no inference on the GPU) on the async-1 run's kept
-  batches, with its resolved trainer.toml and the file hand-off.
+  batches, with its resolved trainer.toml and the file hand-off, whose export is taken out of its step times.
 
 Columns. `step s` is the steady step: the median, over the measured steps, of the wall time between consecutive
 trainer records (`time` in metrics.jsonl), so it holds the trainer's step and its wait for the batch.
@@ -97,6 +98,14 @@ class Setting:
     prompt_len: int  # the decode baseline's prompt length when no RL run measured one
     smoke: bool
 
+    @property
+    def total_steps(self) -> int:
+        """Steps each run trains: the warm-up, the measured steps, and the last one (its final export) left out."""
+        return self.warmup + self.steps + 1
+
+    def in_window(self, step: int) -> bool:
+        return self.warmup < step <= self.warmup + self.steps
+
 
 @dataclass
 class Run:
@@ -167,10 +176,10 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def measured(rows: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
-    kept = [r for r in rows if r.get("step", 0) > warmup]
+def measured(rows: list[dict[str, Any]], s: Setting) -> list[dict[str, Any]]:
+    kept = [r for r in rows if s.in_window(r.get("step", 0))]
     if not kept:
-        raise RuntimeError(f"no records after the {warmup} warm-up steps")
+        raise RuntimeError(f"no records of the measured steps {s.warmup + 1}..{s.warmup + s.steps}")
     return kept
 
 
@@ -276,7 +285,7 @@ class Bench:
         command = [
             sys.executable, "-m", "tandem", "rl", "@", str(sources), "--model.name", str(model_dir),
             "--model.dtype", s.dtype, "--seq-len", str(s.seq_len), "--output-dir", str(self.work),
-            "--run-name", run.name, "--max-steps", str(s.warmup + s.steps),
+            "--run-name", run.name, "--max-steps", str(s.total_steps),
             "--orchestrator.batch-size", str(s.prompts * s.group), "--orchestrator.group-size", str(s.group),
             "--orchestrator.async-level", str(run.async_level), "--orchestrator.no-filter-zero-advantage",
             "--orchestrator.log-samples", "0", "--inference.log-interval-s", "1", *memory, *transport, *extra,
@@ -329,13 +338,13 @@ class Bench:
         command = [
             sys.executable, "-m", "tandem", "sft", *recipe, "--model.name", str(model_dir), "--model.dtype", s.dtype,
             "--random-init", "--data.fake", "--seq-len", str(s.seq_len), "--batch-size", str(rows),
-            "--micro-batch-size", str(micro), "--max-steps", str(s.warmup + s.steps), "--speed.no-save-final",
+            "--micro-batch-size", str(micro), "--max-steps", str(s.total_steps), "--speed.no-save-final",
             "--output-dir", str(self.work), "--run-name", run.name,
         ]  # fmt: skip
         result.command = command
         env = {**self.env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
         execute(command, self.work / f"{run.name}.log", timeout, env, [self.work / run.name / "logs" / "sft.log"])
-        result.metrics.update(trainer_metrics(self.work / run.name, s.warmup), rows=rows, micro_rows=micro)
+        result.metrics.update(trainer_metrics(self.work / run.name, s), rows=rows, micro_rows=micro)
 
     def run_replay(self, run: Run, result: Result, model_dir: Path, timeout: float) -> None:
         source = self.rl.get((run.model, run.recipe))
@@ -355,7 +364,7 @@ class Bench:
             execute(command, self.work / f"{run.name}.log", timeout, self.env, [run_dir / "logs" / "trainer.log"])
         finally:
             shutil.rmtree(run_dir / "policies", ignore_errors=True)
-        result.metrics.update(trainer_metrics(run_dir, self.setting.warmup))
+        result.metrics.update(trainer_metrics(run_dir, self.setting, without_publish=True))
 
     def run_decode(self, run: Run, result: Result, model_dir: Path, timeout: float) -> None:
         s, batch = self.setting, self.batch_of(run.model, result)
@@ -404,9 +413,12 @@ def batch_shape(run_dir: Path, s: Setting) -> dict[str, Any] | None:
     }
 
 
-def trainer_metrics(run_dir: Path, warmup: int) -> dict[str, Any]:
-    """Trainer-side numbers of the measured steps of any trainer's metrics.jsonl."""
-    rows = measured(records(run_dir / "metrics.jsonl"), warmup)
+def trainer_metrics(run_dir: Path, s: Setting, without_publish: bool = False) -> dict[str, Any]:
+    """Trainer-side numbers of the measured steps of any trainer's metrics.jsonl; `without_publish`: step times
+    less the policy hand-off (the replay's file export, which no RL run on a GPU pays)."""
+    rows = measured(records(run_dir / "metrics.jsonl"), s)
+    if without_publish:
+        rows = [{**r, "step_time_s": r["step_time_s"] - (r.get("publish_s") or 0.0)} for r in rows]
     seconds = sum(r["step_time_s"] for r in rows)
     return {
         "train_s": median([r["step_time_s"] for r in rows]),
@@ -419,10 +431,10 @@ def trainer_metrics(run_dir: Path, warmup: int) -> dict[str, Any]:
     }
 
 
-def _intervals(rows: list[dict[str, Any]], warmup: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def _intervals(rows: list[dict[str, Any]], s: Setting) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(previous, current) record pairs of the measured steps."""
     by_step = {r["step"]: r for r in rows}
-    return [(by_step[s - 1], r) for s, r in sorted(by_step.items()) if s > warmup and s - 1 in by_step]
+    return [(by_step[n - 1], r) for n, r in sorted(by_step.items()) if s.in_window(n) and n - 1 in by_step]
 
 
 def _matching(rows: list[dict[str, Any]], pattern: str) -> list[float]:
@@ -432,19 +444,19 @@ def _matching(rows: list[dict[str, Any]], pattern: str) -> list[float]:
 
 def rl_metrics(run_dir: Path, s: Setting) -> dict[str, Any]:
     trainer = records(run_dir / "metrics.jsonl")
-    metrics = trainer_metrics(run_dir, s.warmup)
-    pairs = _intervals(trainer, s.warmup)
+    metrics = trainer_metrics(run_dir, s)
+    pairs = _intervals(trainer, s)
     walls = [now["time"] - before["time"] for before, now in pairs]
     metrics["step_s"] = median(walls)
     metrics["step_walls_s"] = [round(w, 4) for w in walls]
     metrics["trainer_idle"] = sum(now.get("idle_s") or 0 for _, now in pairs) / sum(walls) if walls else None
     batches = [r for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"]
-    kept = measured(batches, s.warmup)
+    kept = measured(batches, s)
     metrics["rollout_tokens_per_s"] = median([r.get("rollout_tokens_per_s") for r in kept])
     metrics["completion_tokens"] = median([r.get("completion_tokens") for r in kept])
     metrics["fixed_length"] = all(r.get("completion_tokens") == s.prompts * s.group * s.gen_len for r in kept)
     spans = [(now["time"] - before["time"], now["inference_idle_s"] - before["inference_idle_s"], now)
-             for before, now in _intervals(batches, s.warmup)]  # fmt: skip
+             for before, now in _intervals(batches, s)]  # fmt: skip
     if spans:
         wall, idle = sum(w for w, _, _ in spans), sum(i for _, i, _ in spans)
         metrics["inference_idle"] = idle / wall if wall > 0 else None
