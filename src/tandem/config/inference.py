@@ -54,8 +54,7 @@ class InferenceConfig(RunConfig):
     cuda_graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
     """Batch-size buckets decode steps are padded to for CUDA graphs; larger steps run eagerly."""
     decode_kernels: Literal["auto", "torch", "triton"] = "auto"
-    """Decode step: triton (a layer in ~10 kernels, K/V read in place, and the whole-vocabulary draw in one kernel),
-    torch (module by module, torch's sampler), auto (triton on CUDA)."""
+    """Decode step: triton (~10 kernels a layer, K/V read in place, one-kernel sampling), torch (module by module), auto (triton on CUDA)."""
     overlap_steps: bool = True
     """Launch a decode step before the host reads the previous one's tokens (greedy/whole-vocabulary sampling)."""
     compile: bool = False
