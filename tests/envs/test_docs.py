@@ -47,3 +47,38 @@ def test_example_toml_configs_validate(my_pkg):
     config = EnvConfig.model_validate(source["env"])
     assert [t.answer for t in apply_select(load_env(config), config.select)] == ["Tokyo"]
     EnvConfig.model_validate({"id": "gsm8k", **select["env"]})
+
+
+def test_the_one_file_tool_environment_runs_an_episode(tmp_path, monkeypatch):
+    """The page's tool environment, as `my_tools/lookup.py`: a failing call, a call and its answer, the reply
+    scored."""
+    from tandem.envs import run_episode
+
+    (source,) = [b for b in blocks("python") if "class Lookup(ToolTaskset)" in b]
+    package = tmp_path / "my_tools"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "lookup.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        taskset = load_env(EnvConfig(id="my_tools.lookup:Lookup"))
+        task = taskset.tasks()[1]
+        replies = iter(
+            [
+                '<tool_call>\n{"name": "capital", "arguments": {"country": "Atlantis"}}\n</tool_call>',
+                '<tool_call>\n{"name": "capital", "arguments": {"country": "Japan"}}\n</tool_call>',
+                "It is Tokyo.",
+            ]
+        )
+
+        async def generate(messages):
+            return next(replies)
+
+        episode = asyncio.run(run_episode(taskset, task, generate))
+    finally:
+        for name in ("my_tools.lookup", "my_tools"):
+            sys.modules.pop(name, None)
+    tools = [m["content"] for m in episode.completion if m["role"] == "tool"]
+    assert tools == ["no entry for 'Atlantis'", "Tokyo"]
+    assert episode.score.reward == 1.0
+    assert episode.score.metrics == {"correct": 1.0, "tool_calls": 2.0, "tool_errors": 1.0}

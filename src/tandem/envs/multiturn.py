@@ -20,6 +20,10 @@ Generate = Callable[[list[Message]], Awaitable[str | Message]]
 
 Outcome = Literal["ok", "truncated", "timeout"]
 
+Answer = str | Message | list[Message] | None
+"""What an environment says after a reply: a user message's text, one message, several, or None (the end; so does an
+empty list)."""
+
 
 class ContextFull(Exception):
     """Raised by a `generate` whose conversation no longer fits the model's context: the episode ends there as
@@ -33,11 +37,10 @@ class MultiTurnTaskset(Taskset):
     """Most model replies in one rollout; reaching it without the env stopping is `truncated`."""
 
     @abstractmethod
-    def step(
-        self, task: Task, messages: list[Message], state: dict[str, Any]
-    ) -> str | Message | Awaitable[str | Message | None] | None:
-        """React to the last assistant message in `messages`: the next user message (a str),
-        any other message (e.g. `{"role": "tool", ...}`), or None to end the rollout. May be async."""
+    def step(self, task: Task, messages: list[Message], state: dict[str, Any]) -> Answer | Awaitable[Answer]:
+        """React to the last assistant message in `messages`: the next user message (a str), any other message
+        (e.g. `{"role": "tool", ...}`), several messages (a list: one `tool` answer per call), or None to end
+        the rollout. May be async."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ def _as_message(reply: str | Message, role: str) -> Message:
     return {"role": role, "content": reply} if isinstance(reply, str) else dict(reply)
 
 
+def _as_messages(answer: str | Message | list[Message]) -> list[Message]:
+    return [dict(m) for m in answer] if isinstance(answer, list) else [_as_message(answer, "user")]
+
+
 async def _play(
     taskset: Taskset,
     task: Task,
@@ -81,10 +88,10 @@ async def _play(
         if not multi:
             return "ok"
         answer = await maybe_await(taskset.step(task, [*prompt, *after], state))
-        if answer is None:
+        if answer is None or answer == []:
             return "ok"
         if turn + 1 < max_turns:  # a reply nobody will answer stays out of the conversation
-            after.append(_as_message(answer, "user"))
+            after += _as_messages(answer)
     return "truncated"
 
 

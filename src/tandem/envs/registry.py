@@ -17,6 +17,7 @@ _REGISTRY: dict[str, str] = {
     "arithmetic": "tandem.envs.builtin.arithmetic:Arithmetic",
     "gsm8k": "tandem.envs.builtin.gsm8k:GSM8K",
     "guess_number": "tandem.envs.builtin.guess_number:GuessNumber",
+    "calculator": "tandem.envs.builtin.calculator:Calculator",
 }
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.envs.base import Message, last_assistant_text
 from tandem.envs.tools import MalformedCall, ToolCall
 
 
@@ -99,6 +100,15 @@ class HermesParser(ToolParser):
             for c in calls
         ]
         return "\n".join([content, *blocks] if content else blocks)
+
+
+def calls_in_reply(message: Message, parser: ToolParser) -> list[ToolCall | MalformedCall]:
+    """Every call an assistant message makes: its OpenAI `tool_calls` (a server that parsed the reply returns
+    them), then whatever call blocks the parser finds in its text (all of them when nothing parsed it before; a
+    server leaves only the malformed ones there)."""
+    calls: list[ToolCall | MalformedCall] = [ToolCall.from_openai(entry) for entry in message.get("tool_calls") or []]
+    parsed = parser.parse(last_assistant_text([message]))
+    return [*calls, *parsed.calls, *parsed.errors]
 
 
 def format_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
