@@ -88,11 +88,13 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("env_id", ["LetterE", "LetterETurns"])
+def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir, tmp_path, env_id):
     """prime-rl's resume check, in the default async setting (async_level 1): a run killed between checkpoints,
-    with batches sampled past the checkpoint, resumes with every step exactly once and keeps learning."""
+    with batches sampled past the checkpoint, resumes with every step exactly once and keeps learning; single-turn,
+    and multi-turn (two replies an episode, both trained)."""
     sources = tmp_path / "letter_e.toml"
-    sources.write_text('[[orchestrator.source]]\nid = "rl_toy_env:LetterE"\nsampling = { max_tokens = 16 }\n')
+    sources.write_text(f'[[orchestrator.source]]\nid = "rl_toy_env:{env_id}"\nsampling = {{ max_tokens = 16 }}\n')
     tests = str(Path(__file__).resolve().parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "tandem", "rl", "--model", str(tiny_model_dir("qwen3")), "--model.dtype",
@@ -126,8 +128,11 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     # batch 12 waited for policy 10 (async_level 1): the trained batches up to 10 are gone
     assert {p.name for p in (run_dir / "batches").iterdir()} <= {f"step-{s:06d}.safetensors" for s in (11, 12)}
     # The reward keeps rising through the resume (an uninterrupted run: 0.09 over the first 3 steps, 0.37 over
-    # the last 3), far above the batch-to-batch noise (~0.02).
+    # the last 3; resumed, 0.10 -> 0.28 single-turn and 0.08 -> 0.25 over two turns), far above the batch-to-batch
+    # noise (~0.02).
+    assert env_id == "LetterE" or all(r["turns"] == 2.0 for r in rollouts)
     rewards = [r["reward"] for r in rollouts]
+    print(f"{env_id}: reward over the first 3 steps {sum(rewards[:3]) / 3:.3f}, the last 3 {sum(rewards[-3:]) / 3:.3f}")
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
 
 

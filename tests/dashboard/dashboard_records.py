@@ -19,12 +19,23 @@ def trace(index: int, source: str, outcome: str, reward: float) -> dict:
     }  # fmt: skip
 
 
+TOOL_EPISODE = [  # a multi-turn rollout's completion: a reply that calls a tool, its result, the answer
+    {"role": "assistant", "content": "let me compute", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "6*7"}'}}
+    ]},
+    {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "calculate"},
+    {"role": "assistant", "content": "It is 42."},
+]  # fmt: skip
+
+
 def rollout(index: int) -> dict:
-    """A line of `rollouts.jsonl`, exactly the keys the orchestrator writes: two per step, steps 1-5."""
+    """A line of `rollouts.jsonl`, exactly the keys the orchestrator writes: two per step, steps 1-5 (the last
+    one a tool episode)."""
     step = index // 2 + 1
+    completion = TOOL_EPISODE if index == 9 else f"esrever {index}"
     return {
         "step": step, "source": "a" if index % 2 == 0 else "b", "task_id": f"t{index}",
-        "prompt": [{"role": "user", "content": f"reverse {index}"}], "completion": f"esrever {index}",
+        "prompt": [{"role": "user", "content": f"reverse {index}"}], "completion": completion,
         "reward": 1.0 if index % 3 == 0 else 0.0, "advantage": 0.5 if index % 3 == 0 else -0.5,
         "outcome": "truncated" if index % 4 == 3 else "ok", "version": step - 1, "metrics": {"exact": index % 3 == 0},
     }  # fmt: skip

@@ -138,6 +138,9 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         step_two = chromium(tmp_path, "--dump-dom", f"{base}/run/rl-run?step=2&source=b")  # filters from the URL
         assert 'data-total="1"' in step_two and re.findall(r'<tr data-outcome="(\w+)"', step_two) == ["truncated"]
         assert "user: reverse 3" in step_two and "esrever 3" in step_two and "esrever 2" not in step_two
+        tool_step = chromium(tmp_path, "--dump-dom", f"{base}/run/rl-run?step=5&source=b")  # turns, calls, results
+        assert 'assistant: let me compute\n  call calculate({"expression": "6*7"})\ntool calculate: 42\n' in tool_step
+        assert "assistant: It is 42." in tool_step
 
         eval_page = chromium(tmp_path, "--dump-dom", f"{base}/eval/tiny-eval")
         row = re.search(r'<tr data-source="reverse_text">.*?</tr>', eval_page, re.S)

@@ -215,3 +215,28 @@ def test_a_small_server_queue_does_not_hold_the_concurrency_down(tmp_path, fake_
     assert code == 0
     concurrency = [r["concurrency"] for r in read_traces(run_dir / "traces.jsonl")]
     assert len(concurrency) == 200 and concurrency[0] == 4 and max(concurrency) == 32
+
+
+def calls_then_answers(messages):
+    """A model that calls the calculator on the question, then answers with the tool's result."""
+    if messages[-1]["role"] == "tool":
+        return f"The product is {messages[-1]['content']}"
+    a, b = re.findall(r"\d+", messages[-1]["content"])[:2]
+    call = {"name": "calculate", "arguments": {"expression": f"{a} * {b}"}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def test_a_tool_env_sends_its_tools_and_traces_every_call_and_result(tmp_path, fake_server):
+    fake_server.answer = calls_then_answers
+    code, run_dir = run_eval(tmp_path, fake_server, "calculator", "--env.args", "{num_tasks = 2}",
+                             "--env.sampling.max-tokens", "64")  # fmt: skip
+    assert code == 0
+    assert all(request["tools"][0]["function"]["name"] == "calculate" for request in fake_server.requests)
+    records = read_traces(run_dir / "traces.jsonl")
+    assert len(records) == 2
+    for record in records:
+        assistant, tool, final = record["completion"]
+        assert "<tool_call>" in assistant["content"] and tool["role"] == "tool" and tool["name"] == "calculate"
+        assert final["content"] == f"The product is {record['task']['answer']}"
+        assert record["reward"] == 1.0 and record["turns"] == 2
+        assert record["metrics"] == {"correct": 1.0, "used_tool": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}

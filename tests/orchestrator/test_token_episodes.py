@@ -125,3 +125,42 @@ def test_packed_multi_turn_sample_targets_only_the_generated_tokens():
     # Position i predicts token i + 1: completion token j sits at 2 + j.
     assert targets[:9].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 10, 11, *[IGNORE_INDEX] * 3, 12, IGNORE_INDEX]
     assert weights[:9].tolist() == [0, 0, 0.25, 0.25, 0, 0, 0, 0.25, 0]
+
+
+def test_a_tool_episode_trains_the_engines_calls_and_answers_with_tool_results_as_context(tokenizer):
+    from tandem.envs import load_taskset
+    from tandem.envs.tools import ToolCall
+
+    env = load_taskset("calculator", num_tasks=1, digits=2)
+    task = env.tasks()[0]
+    a, b = task.prompt.split("What is ")[1].split("?")[0].split(" * ")
+    call = env.parser.render([ToolCall("calculate", {"expression": f"{a}*{b}"})])
+    engine = ScriptedEngine(tokenizer, [call, task.answer])
+    suffixes = ChatSuffixes(tokenizer, env.tool_schemas(), env.tool_parser)
+    rollout = asyncio.run(token_episode(env, task, suffixes, engine, max_tokens=256, max_len=1024))
+
+    assert rollout.turns == 2 and rollout.outcome == "ok" and rollout.reward == 1.0
+    assert rollout.metrics["tool_calls"] == 1.0 and rollout.metrics["tool_errors"] == 0.0
+    # The first prompt shows the tools; the second is it, the call's ids and the tool message rendered as a suffix.
+    first = suffixes.prompt_ids(task.messages())
+    assert engine.prompts[0] == first and '"name": "calculate"' in tokenizer.decode(first)
+    tool_turn = f"\n<|im_start|>tool\n{task.answer}<|im_end|>\n<|im_start|>assistant\n"
+    after_call = tokenizer(tool_turn, add_special_tokens=False)["input_ids"]
+    assert engine.prompts[1] == first + engine.replies[0] + after_call
+    assert rollout.prompt_ids + rollout.completion_ids == engine.prompts[1] + engine.replies[1]
+    assert rollout.trained == [True] * len(engine.replies[0]) + [False] * len(after_call) + [True] * len(
+        engine.replies[1]
+    )
+    assert [m["role"] for m in rollout.messages] == ["assistant", "tool", "assistant"]
+
+
+def test_tools_need_a_template_that_renders_them_in_the_syntax_the_environment_parses(tokenizer):
+    from tandem.envs import load_taskset
+
+    env = load_taskset("calculator")
+    plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = plain.chat_template.split("{% endif %}", 1)[1]  # the tiny template without its tools block
+    with pytest.raises(TemplateSuffixError, match=r"does not render tools \(calculate\)"):
+        ChatSuffixes(plain, env.tool_schemas(), env.tool_parser)
+    with pytest.raises(TemplateSuffixError, match="teaches 'hermes' tool calls, but the environment parses 'mistral'"):
+        ChatSuffixes(tokenizer, env.tool_schemas(), "mistral")

@@ -1,7 +1,8 @@
 """Roll out every (source, task, rollout) through one concurrency limiter, score it, append its trace.
 
 Single- and multi-turn tasksets alike go through `tandem.envs.run_episode`;
-only the `generate` callable is ours (a chat request). A rollout never raises:
+only the `generate` callable is ours (a chat request, with a tool taskset's
+`tools`, which the server renders and parses calls for). A rollout never raises:
 a failure becomes its outcome (`timeout` for a request that ran out of time,
 `error` for anything else) so one bad request cannot stop an eval.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from tandem.config import ConfigError
 from tandem.config.eval import EvalSourceConfig, SamplingConfig
 from tandem.envs import Message, Task, Taskset, apply_select, load_env, run_episode
+from tandem.envs.tool_env import ToolTaskset
 from tandem.eval.client import ChatCompletion, OpenAIClient, RequestError
 from tandem.eval.concurrency import AdaptiveLimiter
 from tandem.eval.traces import trace_key
@@ -87,13 +89,14 @@ async def run_rollout(client: OpenAIClient, model: str, rollout: Rollout) -> dic
     """Roll out, score and describe one rollout as its trace record."""
     task, taskset = rollout.task, rollout.source.taskset
     sampling = request_fields(rollout.source.config.sampling, rollout.index)
+    tools = {"tools": taskset.tool_schemas()} if isinstance(taskset, ToolTaskset) else {}
     replies: list[ChatCompletion] = []
     conversation: list[Message] = task.messages()  # the latest one, kept when a request fails
 
     async def generate(messages: list[Message]) -> Message:
         nonlocal conversation
         conversation = messages
-        reply = await client.chat(messages, model=model, **sampling)
+        reply = await client.chat(messages, model=model, **sampling, **tools)
         replies.append(reply)
         message = {key: value for key, value in reply.choices[0].message.items() if value is not None}
         conversation = [*messages, message]

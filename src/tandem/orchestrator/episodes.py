@@ -22,6 +22,7 @@ from typing import Any
 
 from tandem.envs import Message, Task, Taskset
 from tandem.envs.multiturn import ContextFull, Outcome, run_episode
+from tandem.envs.tool_parsers import parser_for
 
 Generate = Callable[[list[int], int], Awaitable[Any]]
 """`generate(prompt_ids, max_tokens)`: one completion (token_ids, logprobs, versions, finish_reason, kept_ids)."""
@@ -35,9 +36,12 @@ class TemplateSuffixError(ValueError):
 
 
 class ChatSuffixes:
-    """The chat template's text for messages that follow a generated assistant turn, and for a first prompt."""
+    """The chat template's text for messages that follow a generated assistant turn, and for a first prompt.
 
-    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None) -> None:
+    `tools` (OpenAI schemas) are rendered into every prompt; `tool_parser` names the call syntax the environment
+    reads, which must be the one the template teaches the model (`TemplateSuffixError` otherwise)."""
+
+    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None, tool_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -46,6 +50,28 @@ class ChatSuffixes:
             raise TemplateSuffixError(f"the chat template of {self.name} does not render an assistant's content")
         self._turn_end = closed[closed.rindex(_PROBE_REPLY) + len(_PROBE_REPLY) :]
         """What the template writes after an assistant reply's text: its end-of-turn token, then any separator."""
+        if self.tools:
+            self._check_tools(tool_parser)
+
+    def _check_tools(self, tool_parser: str | None) -> None:
+        """The template must show the model its tools, in the call syntax the environment parses."""
+        names = ", ".join(t["function"]["name"] for t in self.tools or [])
+        without = self.tokenizer.apply_chat_template([_PROBE], tokenize=False, add_generation_prompt=True)
+        if self._render([_PROBE], True) == without:
+            raise TemplateSuffixError(
+                f"the chat template of {self.name} does not render tools ({names}): the model would never see "
+                "them; use a template that takes `tools` (Qwen3's, Hermes')"
+            )
+        template = getattr(self.tokenizer, "chat_template", None)
+        try:
+            written = parser_for(template).name if isinstance(template, str) else None
+        except ValueError as error:
+            raise TemplateSuffixError(f"the chat template of {self.name}: {error}") from None
+        if tool_parser is not None and written is not None and written != tool_parser:
+            raise TemplateSuffixError(
+                f"the chat template of {self.name} teaches {written!r} tool calls, but the environment parses "
+                f"{tool_parser!r} ones: set its tool_parser to {written!r}"
+            )
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

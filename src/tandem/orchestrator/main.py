@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -27,13 +26,14 @@ from typing import Any
 
 from tandem.checkpoints import checkpoints_root, list_checkpoints
 from tandem.config.orchestrator import OrchestratorConfig
-from tandem.envs import MultiTurnTaskset, Task
+from tandem.envs import Message, MultiTurnTaskset, Task
+from tandem.envs.tool_env import ToolTaskset
 from tandem.eval.client import RequestError
 from tandem.files import atomic_write_text
 from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflow
-from tandem.orchestrator.episodes import ChatSuffixes, Rollout, token_episode
+from tandem.orchestrator.episodes import ChatSuffixes, Rollout, TemplateSuffixError, token_episode
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Draw, DrawLedger, Source, TaskSampler, load_sources
@@ -60,6 +60,9 @@ class Group:
     texts: list[str]  # each completion decoded, as it was scored
     rewards: list[float]
     metrics: list[dict[str, float]]
+    conversations: list[list[Message]] | None = None
+    """Multi-turn groups: each episode's messages after the prompt (replies, the environment's answers, tool calls
+    and results), as `rollouts.jsonl` shows them."""
 
     @property
     def source(self) -> Source:
@@ -88,6 +91,7 @@ class Orchestrator:
         self.filling = 1  # the batch being assembled
         self._batches_pruned = 0  # batch files up to this step are deleted
         self.stats = StepStats()
+        self._suffixes: dict[str, ChatSuffixes] = {}
 
     # -- producing groups -------------------------------------------------------------------------
 
@@ -123,10 +127,23 @@ class Orchestrator:
             metrics.append({**score.metrics, "truncated": float(completion.finish_reason == "length")})
         return Group(draw, prompt_ids, completions, texts, rewards, metrics)
 
-    @functools.cached_property
-    def suffixes(self) -> ChatSuffixes:
-        """The chat template's suffixes for multi-turn rollouts (checked on first use: single-turn runs need none)."""
-        return ChatSuffixes(self.tokenizer)
+    def suffixes(self, source: Source) -> ChatSuffixes:
+        """The chat template's suffixes for a multi-turn source's rollouts, with its tools rendered."""
+        if source.name not in self._suffixes:
+            taskset = source.taskset
+            tools = taskset.tool_schemas() if isinstance(taskset, ToolTaskset) else None
+            parser = taskset.tool_parser if isinstance(taskset, ToolTaskset) else None
+            self._suffixes[source.name] = ChatSuffixes(self.tokenizer, tools, parser)
+        return self._suffixes[source.name]
+
+    def check_sources(self) -> None:
+        """Fail before any rollout if a multi-turn source's answers (or tools) cannot be rendered as suffixes."""
+        for source in self.sampler.sources:
+            if isinstance(source.taskset, MultiTurnTaskset):
+                try:
+                    self.suffixes(source)
+                except TemplateSuffixError as error:
+                    raise TemplateSuffixError(f"source {source.name!r}: {error}") from None
 
     async def _run_episodes(self, draw: Draw) -> Group | None:
         """A multi-turn group: `group_size` episodes, each generated turn by turn from its exact ids
@@ -148,7 +165,7 @@ class Orchestrator:
             return generate
 
         episodes = [
-            token_episode(source.taskset, task, self.suffixes, generate_for(member), sampling.max_tokens,
+            token_episode(source.taskset, task, self.suffixes(source), generate_for(member), sampling.max_tokens,
                           self.config.seq_len)
             for member in range(self.config.group_size)
         ]  # fmt: skip
@@ -172,7 +189,8 @@ class Orchestrator:
         metrics = [
             {**r.metrics, "truncated": float(r.outcome == "truncated"), "turns": float(r.turns)} for r in rollouts
         ]
-        return Group(draw, rollouts[0].prompt_ids, completions, texts, [r.reward for r in rollouts], metrics)
+        rewards = [r.reward for r in rollouts]
+        return Group(draw, rollouts[0].prompt_ids, completions, texts, rewards, metrics, [r.messages for r in rollouts])
 
     def _bucket(self, step: int) -> asyncio.Queue[Group | BaseException]:
         return self.buckets.setdefault(step, asyncio.Queue())
@@ -301,6 +319,11 @@ class Orchestrator:
             "advantage_abs_mean": sum(abs(r["advantage"]) for r in records) / len(records),
             "truncated": sum(m["truncated"] for g in groups for m in g.metrics) / len(records),
             "turns": sum(m.get("turns", 1.0) for g in groups for m in g.metrics) / len(records),
+            **{
+                name: sum(m.get(name, 0.0) for g in groups for m in g.metrics) / len(records)
+                for name in ("tool_calls", "tool_errors")
+                if any(name in m for g in groups for m in g.metrics)
+            },
             **{f"dropped/{reason}": count for reason, count in self.stats.dropped.items()},
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
             "completion_tokens": tokens,
@@ -353,7 +376,7 @@ class Orchestrator:
             "source": record["source"],
             "task_id": group.draw.task.id,
             "prompt": self.tokenizer.decode(group.prompt_ids),
-            "completion": group.texts[record["member"]],
+            "completion": (group.conversations or group.texts)[record["member"]],
             "reward": record["reward"],
             "advantage": record["advantage"],
             "outcome": "truncated" if completion.finish_reason == "length" else "ok",
@@ -450,6 +473,7 @@ class Orchestrator:
         return record
 
     async def run(self, resume_step: int = 0) -> None:
+        self.check_sources()
         points = self._resume(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._open_step_files(resume_step)

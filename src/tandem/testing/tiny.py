@@ -15,8 +15,12 @@ ARCHITECTURES: tuple[Architecture, ...] = ("qwen3", "llama", "qwen3_moe")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# ChatML, the format Qwen models use; rendered by `apply_chat_template`.
+# ChatML, the format Qwen models use; rendered by `apply_chat_template`. Tools, when given, go first in a system
+# turn that asks for Hermes-style calls, as Qwen3's template does.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nCall a tool as <tool_call>"
+    '{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"

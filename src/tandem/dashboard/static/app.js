@@ -173,10 +173,16 @@ async function indexPage() {
 
 const OUTCOMES = ["ok", "truncated", "timeout", "error"];
 
-// A prompt or completion: a string, or chat messages shown as "role: content" lines.
+// A prompt or completion: a string, or chat messages shown as "role: content" lines, an assistant's tool calls
+// under it ("  call name(arguments)") and a tool's result as "tool name: result".
 function chatText(value) {
   const text = (content) => (typeof content === "string" ? content : JSON.stringify(content));
-  if (Array.isArray(value)) return value.map((m) => `${m?.role}: ${text(m?.content)}`).join("\n");
+  const line = (m) => {
+    const who = m?.role === "tool" && m?.name ? `tool ${m.name}` : m?.role;
+    const calls = (m?.tool_calls ?? []).map((c) => `\n  call ${c?.function?.name}(${text(c?.function?.arguments)})`);
+    return `${who}: ${m?.content === null || m?.content === undefined ? "" : text(m.content)}${calls.join("")}`;
+  };
+  if (Array.isArray(value)) return value.map(line).join("\n");
   return value === null || value === undefined ? "" : text(value);
 }
 
