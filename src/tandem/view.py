@@ -50,17 +50,17 @@ class RlProgress:
     def _show(self, step: int, record: dict[str, Any]) -> None:
         reward = self.rollouts.get(step, {}).get("reward", float("nan"))
         loss = record.get("loss", float("nan"))
-        mismatch = record.get("mismatch_kl")
-        status = f"reward {reward:.3f}  loss {loss:+.4f}  mismatch {mismatch if mismatch is None else f'{mismatch:.1e}'}"
+        kl = _kl_by_lag(record)
+        status = f"reward {reward:.3f}  loss {loss:+.4f}  KL {kl}"
         self.progress.update(self.task, completed=step, status=status)
         logger.info(
-            "step %d/%d  reward %.3f  loss %+.4f  mismatch_kl %s  off_policy_kl %.2e  masked %.3f/%.3f  entropy %.3f"
-            "  grad_norm %.3f",
+            "step %d/%d  reward %.3f  loss %+.4f  KL by policy lag %s  off_policy_kl %.2e  masked %.3f/%.3f"
+            "  entropy %.3f  grad_norm %.3f",
             step,
             self.config.max_steps,
             reward,
             loss,
-            "n/a" if mismatch is None else f"{mismatch:.2e}",
+            kl,
             record.get("off_policy_kl", 0.0),
             record.get("masked_low", 0.0),
             record.get("masked_high", 0.0),
@@ -70,3 +70,14 @@ class RlProgress:
 
     def close(self) -> None:
         self.progress.stop()
+
+
+def _kl_by_lag(record: dict[str, Any]) -> str:
+    """`lag0 3.1e-09 lag1 2.2e-03`: the trainer/sampler KL of the lags this step trained on (lag 0 is the pure
+    trainer/inference mismatch); `-` when no metric says."""
+    parts = []
+    for key, value in record.items():
+        if isinstance(value, float) and (key == "mismatch_kl" or key.startswith("off_policy_kl/lag")):
+            lag = "lag0" if key == "mismatch_kl" else key.removeprefix("off_policy_kl/")
+            parts.append(f"{lag} {value:.1e}")
+    return " ".join(parts) or "-"

@@ -14,7 +14,7 @@ from tandem.config.trainer import TrainerConfig
 from tandem.models import load_model
 from tandem.orchestrator.batching import pack_batch
 from tandem.trainer.loss import LossInputs, k3, policy_loss
-from tandem.trainer.rl import micro_batch_loss
+from tandem.trainer.rl import LAG_NAMES, micro_batch_loss
 from tandem.transport.batches import kept_ids_matrix
 
 LOSSES = [
@@ -26,12 +26,19 @@ LOSSES = [
 CPU = torch.device("cpu")
 
 
+VERSION = 5
+"""The trainer's policy version in these tests; the samples were drawn by versions 0 to 5 (lags 5 to 0)."""
+
+
 def _samples(seed: int = 0):
-    """make_samples with kept sets (some over the replay cap, so off the loss) and temperatures other than 1."""
+    """make_samples with kept sets (some over the replay cap, so off the loss), temperatures other than 1, and
+    every policy lag from 0 to 5 (the tokens of one sample are drawn by one or two versions)."""
     rng = random.Random(seed)
     samples = make_samples("token_mean", seed)
     for index, sample in enumerate(samples):
         sample.temperature = (0.7, 1.0, 1.3)[index % 3]
+        first = index % (VERSION + 1)
+        sample.versions = [min(first + (t > len(sample.versions) // 2), VERSION) for t in range(len(sample.versions))]
         sample.kept_ids = [
             list(range(MAX_REPLAY_KEPT + 1))
             if rng.random() < 0.1
@@ -47,7 +54,7 @@ def _micros(micro_batch_rows: int = 2):
     return pack_batch(_samples(), SEQ_LEN, world_size=1, micro_batch_rows=micro_batch_rows)[0]
 
 
-def _run(model_dir, micros, config, version: int = 0):
+def _run(model_dir, micros, config, version: int = VERSION):
     """Summed loss and metrics over the micro-batches, and the gradients."""
     model = load_model(model_dir, dtype=torch.float32)
     total: dict[str, torch.Tensor] = {}
@@ -110,8 +117,11 @@ def test_positions_off_the_loss_add_exactly_nothing(tiny_model_dir, loss):
         inputs = LossInputs(out.logprobs[on], micro["inference_logprobs"][on], micro["advantages"][on],
                             micro["loss_weights"][on], out.entropy[on])  # fmt: skip
         value, metrics = policy_loss(config.loss, inputs)
-        metrics["mismatch_kl_sum"] = (inputs.weights * k3(inputs.logprobs - inputs.inference_logprobs)).sum()
-        metrics["on_policy_weight"] = inputs.weights.sum()  # version 0 sampled every token
+        lag = VERSION - micro["versions"][on]
+        kl = k3(inputs.logprobs - inputs.inference_logprobs)
+        for name, at_lag in zip(LAG_NAMES, [lag == 0, lag == 1, lag == 2, lag >= 3], strict=True):
+            metrics[f"{name}_sum"] = (inputs.weights * kl * at_lag).sum()
+            metrics[f"{name}_weight"] = (inputs.weights * at_lag).sum()
         metrics["loss_tokens"] = on.sum().float()
         for name, metric in {"loss": value, **metrics}.items():
             expected[name] = expected.get(name, 0) + metric.detach()
@@ -120,6 +130,10 @@ def test_positions_off_the_loss_add_exactly_nothing(tiny_model_dir, loss):
     for name, value in expected.items():
         torch.testing.assert_close(clean_sums[name], value.float(), rtol=1e-5, atol=1e-7, msg=name)
     assert clean_sums["loss_tokens"] == sum(int((m["target_ids"] != -100).sum()) for m in micros)
+    # every lag is there, and the lags' weights add up to every loss token's
+    assert all(clean_sums[f"{name}_weight"] > 0 for name in LAG_NAMES)
+    total = sum(clean_sums[f"{name}_weight"] for name in LAG_NAMES)
+    torch.testing.assert_close(total, sum(m["loss_weights"].sum() for m in micros))
 
 
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda loss: loss["type"])

@@ -49,14 +49,20 @@ def policy_tokens(micro: dict[str, torch.Tensor], kept: torch.Tensor | None) -> 
     )
 
 
+LAGS = 4
+"""Policy lags the KL is split by: 0, 1, 2, and 3 or more (a fixed set, so every rank sums the same metrics)."""
+LAG_NAMES = ("mismatch_kl", *(f"off_policy_kl/lag{lag}" for lag in range(1, LAGS - 1)), f"off_policy_kl/lag{LAGS - 1}+")
+
+
 def micro_batch_loss(
     model, micro: dict[str, torch.Tensor], config: TrainerConfig, device: torch.device, current_version: int
 ):
     """Forward one micro-batch: trainer logprobs under the rollouts' temperatures and sampling masks, then the loss.
 
-    Tokens sampled by exactly the weights the trainer holds (`current_version`) measure the pure
-    trainer/inference mismatch (`mismatch_kl`); over all tokens the same estimator also includes the
-    policy lag of asynchronous sampling (`off_policy_kl`).
+    The KL estimate between trainer and sampler is split by each token's policy lag (the weights the trainer
+    holds, `current_version`, minus the version that sampled it): at lag 0 it is the pure trainer/inference
+    mismatch (`mismatch_kl`), at lag k it adds k optimizer steps of policy drift (`off_policy_kl/lag<k>`); over
+    all tokens it is `off_policy_kl`.
     """
     kept = None
     if "kept_counts" in micro and micro["kept_ids"].numel():  # sampling masks, stored compactly (transport.batches)
@@ -65,10 +71,13 @@ def micro_batch_loss(
     tokens = policy_tokens(micro, kept)
     loss, metrics, logprobs = _policy_loss(model, micro, tokens, config)
     with torch.no_grad():
-        on_policy = (micro["versions"].reshape(-1) == current_version) * tokens.weights
         metrics["off_policy_kl"] = metrics.pop("mismatch_kl")
-        metrics["mismatch_kl_sum"] = (on_policy * k3(logprobs - tokens.inference_logprobs)).sum()
-        metrics["on_policy_weight"] = on_policy.sum()
+        lag = (current_version - micro["versions"].reshape(-1)).clamp(0, LAGS - 1)
+        kl = k3(logprobs - tokens.inference_logprobs)
+        for k, name in enumerate(LAG_NAMES):
+            at_lag = (lag == k) * tokens.weights
+            metrics[f"{name}_sum"] = (at_lag * kl).sum()
+            metrics[f"{name}_weight"] = at_lag.sum()
         metrics["loss_tokens"] = (tokens.targets != IGNORE_INDEX).sum().float()
     return loss, metrics
 
@@ -106,7 +115,7 @@ def _policy_loss(model, micro: dict[str, torch.Tensor], tokens: PolicyTokens, co
 class RlRecipe(Recipe):
     """Batch N from the orchestrator in, the policy loss out; policy N published after the optimizer step."""
 
-    ratios = {"mismatch_kl": ("mismatch_kl_sum", "on_policy_weight")}  # noqa: RUF012 (read only)
+    ratios = {name: (f"{name}_sum", f"{name}_weight") for name in LAG_NAMES}  # noqa: RUF012 (read only)
 
     def __init__(self, config: TrainerConfig, world: World, publish: Callable[[int], None]) -> None:
         self.config, self.world, self.publish = config, world, publish

@@ -82,7 +82,7 @@ const CHARTS = [
   { id: "reward", title: "reward", series: [["orchestrator", "reward", "overall"]], pattern: ["orchestrator", /^reward\/.+/] },
   { id: "loss", title: "loss", series: [["trainer", "loss", "loss"]] },
   { id: "masked", title: "masked token fraction", series: [["trainer", "masked_low", "low"], ["trainer", "masked_high", "high"]] },
-  { id: "mismatch_kl", title: "mismatch KL", series: [["trainer", "mismatch_kl", "mismatch KL"]] },
+  { id: "mismatch_kl", title: "trainer vs sampler KL by policy lag (lag 0: the pure mismatch)", series: [["trainer", "mismatch_kl", "lag 0"], ["trainer", "off_policy_kl", "all tokens"]], pattern: ["trainer", /^off_policy_kl\/lag.+/] },
   { id: "entropy", title: "entropy", series: [["trainer", "entropy", "entropy"]] },
   { id: "grad_norm", title: "grad norm", series: [["trainer", "grad_norm", "grad norm"]] },
   { id: "tokens_per_s", title: "tokens per second", series: [["trainer", "tokens_per_s", "trainer"], ["orchestrator", "rollout_tokens_per_s", "rollouts"]] },
