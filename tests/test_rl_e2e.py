@@ -43,7 +43,7 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     result = tandem_rl(
         tiny_model_dir("qwen3"), tmp_path, "@", write_sources(tmp_path), "--max-steps", "3",
         "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage",
-        "--trainer.weights.transport", "file", "--orchestrator.keep-batches",
+        "--trainer.weights.transport", "file", "--orchestrator.keep-batches", "--orchestrator.eval.at-start",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "rl"
@@ -61,11 +61,13 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     assert not (run_dir / "policies" / "step-000001").exists()
     assert len(list((run_dir / "batches").glob("step-*.safetensors"))) == 3  # keep_batches
     assert "step 3/3" in result.stderr
-    # online evals every 2 steps, through the eval stack, in the same metrics stream
-    assert [e["step"] for e in evals] == [2]
-    assert sum(evals[0][f"eval/arithmetic/{o}"] for o in ("ok", "truncated", "timeout", "error")) == 3
-    assert evals[0]["eval/arithmetic/error"] == 0 and evals[0]["eval/arithmetic/reward"] is not None
+    # online evals of the starting policy and every 2 steps, through the eval stack, in the same metrics stream
+    assert [(e["step"], e["policy_version"]) for e in evals] == [(0, 0), (2, 1)]
+    for evaluation in evals:
+        assert sum(evaluation[f"eval/arithmetic/{o}"] for o in ("ok", "truncated", "timeout", "error")) == 3
+        assert evaluation["eval/arithmetic/error"] == 0 and evaluation["eval/arithmetic/reward"] is not None
     assert len((run_dir / "evals" / "step-000002" / "traces.jsonl").read_text().splitlines()) == 3
+    assert len((run_dir / "evals" / "step-000000" / "traces.jsonl").read_text().splitlines()) == 3
 
 
 def test_a_failing_child_stops_the_run_with_its_error(tiny_model_dir, tmp_path):
@@ -94,9 +96,7 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     with batches sampled past the checkpoint, resumes with every step exactly once and keeps learning; single-turn,
     and multi-turn (two replies an episode, both trained)."""
     sources = tmp_path / "letter_e.toml"
-    sources.write_text(f'[[orchestrator.source]]\nid = "rl_toy_env:{env_id}"\nsampling = {{ max_tokens = 16 }}\n')
-    tests = str(Path(__file__).resolve().parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    sources.write_text(f'[[orchestrator.source]]\nid = "tandem.testing.toy_envs:{env_id}"\nsampling = {{ max_tokens = 16 }}\n')
     command = [sys.executable, "-m", "tandem", "rl", "--model", str(tiny_model_dir("qwen3")), "--model.dtype",
                "float32", "--seq-len", "256", "--output-dir", str(tmp_path), "--run-name", "rl",
                "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4", "@", str(sources),
@@ -107,7 +107,7 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     def past_checkpoint_6() -> bool:
         return any(r["step"] == 7 for r in read_records(run_dir / "metrics.jsonl"))
 
-    with spawn(command, watch=[run_dir], env=env) as launcher:
+    with spawn(command, watch=[run_dir]) as launcher:
         launcher.wait_until(past_checkpoint_6, "step 7")
         launcher.kill()
     # the children follow their parent (PR_SET_PDEATHSIG); dying, they may still write
@@ -116,7 +116,7 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     assert newest < max(r["step"] for r in read_records(run_dir / "metrics.jsonl")), "killed between checkpoints"
     assert max(r["step"] for r in read_records(run_dir / "orchestrator_metrics.jsonl")) > newest  # sampled ahead
 
-    result = run_while_progressing([*command, "--resume"], watch=[run_dir], env=env)
+    result = run_while_progressing([*command, "--resume"], watch=[run_dir])
     assert result.returncode == 0, result.stderr[-4000:]
     trainer = records(run_dir / "metrics.jsonl")
     rollouts = [r for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"]

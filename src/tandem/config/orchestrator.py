@@ -66,6 +66,8 @@ class InferencePoolConfig(Section):
 class OnlineEvalConfig(Section):
     interval: int = Field(0, ge=0)
     """Evaluate the served policy every this many steps (0: no online evals)."""
+    at_start: bool = False
+    """Also evaluate the starting policy, before the first rollout (step 0 in the records; not again on --resume)."""
     source: list[EvalSourceConfig] = Field(default_factory=list)
     """`[[orchestrator.eval.source]]` blocks, as `[[source]]` in `tandem eval` (bound infinite tasksets with select.limit)."""
     concurrency: ConcurrencyConfig = ConcurrencyConfig()
@@ -73,8 +75,8 @@ class OnlineEvalConfig(Section):
 
     @model_validator(mode="after")
     def _sources_when_on(self) -> OnlineEvalConfig:
-        if self.interval and not self.source:
-            raise ValueError("eval.interval is set but there is no [[orchestrator.eval.source]] block")
+        if (self.interval or self.at_start) and not self.source:
+            raise ValueError("eval.interval or eval.at_start is set but there is no [[orchestrator.eval.source]] block")
         for source in self.source:
             source.name = source.name or source.id
         return self

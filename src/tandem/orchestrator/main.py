@@ -403,6 +403,7 @@ class Orchestrator:
                 "policy_version": version,
                 **metrics,
                 "eval_time_s": time.monotonic() - started,
+                "time": time.time(),
             }
         )
         logger.info(
@@ -486,6 +487,8 @@ class Orchestrator:
                 self.config.weight_transport, self.pool, self.run_dir, self.config.inference.startup_timeout_s
             )
             await follower.start()
+            if self.config.eval.at_start and resume_step == 0:  # before any rollout: no policy moves under it
+                await self._online_eval(0)
             followers = asyncio.gather(self._follow_policies(follower), self._producer())
             for step in range(resume_step + 1, self.config.max_steps + 1):
                 self.filling = step
