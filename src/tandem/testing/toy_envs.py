@@ -1,5 +1,5 @@
-"""Rewards a tiny model learns in a few RL steps, for the CI proofs that `tandem rl` optimises rewards (single- and
-multi-turn)."""
+"""Rewards a tiny model learns in a few RL steps: the CI proofs that `tandem rl` optimises rewards (single- and
+multi-turn) and the loss study (`benchmarks/ipo_study.py`) train on them, as `tandem.testing.toy_envs:LetterE`."""
 
 from __future__ import annotations
 
