@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tandem import jsonl
 from tandem.jsonl import CorruptLineError, JsonlFollower, JsonlReport, JsonlWriter, keep_steps_up_to, read_records
 
 
@@ -58,6 +59,16 @@ def test_writer_cuts_a_half_written_line_before_appending(tmp_path):
     with JsonlWriter(path, truncate=True) as writer:
         writer.write({"a": 3})
     assert read_records(path) == [{"a": 3}]
+
+
+def test_every_append_is_synced_before_write_returns(tmp_path, monkeypatch):
+    path = tmp_path / "m.jsonl"
+    synced = []
+    monkeypatch.setattr(jsonl, "_sync", lambda fd: synced.append(len(read_records(path))))
+    with JsonlWriter(path) as writer:
+        writer.write({"step": 1})
+        writer.write({"step": 2})
+    assert synced == [1, 2]  # each line reached the file before its sync
 
 
 def test_keep_steps_up_to_leaves_a_file_with_nothing_to_drop_untouched(tmp_path):

@@ -21,10 +21,8 @@ class Command:
     summary: str
     config: str
     """`module:Class` of the command's root config."""
-    runner: str | None = None
-    """`module:function` taking the resolved config and returning an exit code; None while not built."""
-    issue: int | None = None
-    """The issue that builds it, named in the 'not built yet' message."""
+    runner: str
+    """`module:function` taking the resolved config and returning an exit code."""
     positional: str | None = None
     """Dotted key a leading positional argument sets: `tandem eval gsm8k` is `tandem eval --env.id gsm8k`."""
 
@@ -32,7 +30,6 @@ class Command:
         return _resolve(self.config)
 
     def runner_function(self) -> Callable[[BaseModel], int | None]:
-        assert self.runner is not None
         return _resolve(self.runner)
 
 
@@ -112,12 +109,6 @@ def run_command(command: Command, argv: list[str]) -> int:
     if command_line.dry_run:
         sys.stdout.write(to_toml(config))
         return 0
-    if command.runner is None:
-        sys.stderr.write(
-            f"tandem {command.name}: not built yet (tracked in issue {command.issue}); "
-            "`--dry-run` shows the config it will take.\n"
-        )
-        return 1
     return int(command.runner_function()(config) or 0)
 
 

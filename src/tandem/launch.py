@@ -26,10 +26,11 @@ from tandem.checkpoints import checkpoints_root
 from tandem.config import RunConfig, to_toml
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig, RlDeployConfig
+from tandem.files import atomic_write_text
 from tandem.jsonl import keep_steps_up_to
 from tandem.net import is_loopback
 from tandem.orchestrator.main import PER_STEP_FILES
-from tandem.run import atomic_write_text, claim_run_dir, log_tail, prepare_run_dir
+from tandem.run import claim_run_dir, log_tail, prepare_run_dir
 from tandem.shared_gpu import split_shared_gpu
 from tandem.trainer.ckpt import resolve_resume
 from tandem.trainer.model import read_model_args

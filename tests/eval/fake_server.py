@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tandem.eval.client import QUEUE_DEPTH_HEADER
 from tandem.testing.progress import wait_for
+from tandem.wire import QUEUE_DEPTH_HEADER
 
 Messages = list[dict[str, Any]]
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tandem.client import Feedback
 from tandem.config.eval import ConcurrencyConfig
-from tandem.eval.concurrency import AimdController, Feedback
+from tandem.eval.concurrency import AimdController
 
 
 @dataclass

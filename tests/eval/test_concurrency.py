@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
+from tandem.client import Feedback
 from tandem.config.eval import ConcurrencyConfig
-from tandem.eval.concurrency import AdaptiveLimiter, AimdController, Feedback
+from tandem.eval.concurrency import AdaptiveLimiter, AimdController
 
 
 class Clock:

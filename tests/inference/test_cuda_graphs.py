@@ -42,8 +42,8 @@ def test_engine_with_graphs_gives_the_eager_tokens(compile, make_engine):
     params = SamplingParams(temperature=0, max_tokens=24)
     eager = make_engine(device="cuda", cuda_graphs=False, kv_cache_blocks=256)
     graphed = make_engine(device="cuda", cuda_graphs=True, compile=compile, kv_cache_blocks=256)
-    assert isinstance(graphed.decoder, GraphedDecoder)
+    assert isinstance(graphed.runner.decoder, GraphedDecoder)
     want = eager.generate(prompts, params)
     got = graphed.generate(prompts, params)
     assert [s[0].token_ids for s in got] == [s[0].token_ids for s in want]
-    assert graphed.decoder.captured
+    assert graphed.runner.decoder.captured

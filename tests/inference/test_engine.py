@@ -11,9 +11,8 @@ import torch
 from inference_support import INIT_STD, wait_until
 
 from tandem.inference.decode import decode_inputs, decode_step
-from tandem.inference.engine import Collector
 from tandem.inference.masks import kept_ids_rows
-from tandem.inference.outputs import RequestUpdate
+from tandem.inference.outputs import Collector, RequestUpdate
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.weights import read_weights
@@ -281,7 +280,7 @@ def test_a_poisoned_request_fails_alone_and_the_others_complete_unchanged(make_e
     good ones (sampled, greedy, n > 1, overlapped or not) finish with exactly the tokens of a clean run; the
     engine stays up however many poisoned requests come."""
     clean, engine = make_engine(), make_engine()
-    engine.sampler = _PoisonSampler()
+    engine.runner.sampler = _PoisonSampler()
     prompts = _prompts(8, engine.vocab_size, seed=21)
     good = [
         (prompts[0], SamplingParams(temperature=1.0, max_tokens=12, seed=1, ignore_eos=True), 1),
@@ -334,7 +333,7 @@ def test_a_request_that_finished_in_a_failed_step_is_delivered_and_holds_up_noth
     is not put on probation (it has nothing left to run, so probation would wait for it forever) and the next
     request runs."""
     engine = make_engine()
-    emit, calls = engine._emit, []
+    emit, calls = engine.requests.emit, []
 
     def flaky(request, error=None):
         calls.append(1)
@@ -342,7 +341,7 @@ def test_a_request_that_finished_in_a_failed_step_is_delivered_and_holds_up_noth
             raise RuntimeError("boom")
         return emit(request, error)
 
-    engine._emit = flaky
+    engine.requests.emit = flaky
     prompt = _prompts(1, engine.vocab_size, seed=23)[0]
     (first,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1), timeout=60)
     assert len(first) == 1 and len(first[0].token_ids) == 1

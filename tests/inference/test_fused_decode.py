@@ -141,7 +141,7 @@ def test_fused_step_bf16_and_under_cuda_graphs(model_dir, make_engine):
     assert [s[0].token_ids for s in graphed.generate(prompts, params)] == [
         s[0].token_ids for s in eager.generate(prompts, params)
     ]
-    assert graphed.decoder.captured
+    assert graphed.runner.decoder.captured
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels and CUDA graphs need CUDA")

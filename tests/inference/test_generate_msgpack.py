@@ -14,8 +14,8 @@ from starlette.requests import Request
 
 from tandem.inference.http import encoded_response
 from tandem.inference.masks import encode_mask
-from tandem.inference.msgpack_codec import MEDIA_TYPE, pack, unpack
 from tandem.inference.protocol import GenerateResponse, PromptOutput, SampleOutput
+from tandem.wire import MEDIA_TYPE, pack, unpack
 
 MSGPACK_IN = {"content-type": MEDIA_TYPE}
 MSGPACK_OUT = {"accept": MEDIA_TYPE}

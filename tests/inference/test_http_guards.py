@@ -1,6 +1,6 @@
 """The HTTP layer's guards (tandem.inference.http): the body-size limit, tokenizing and templating off the event
 loop, client chat templates, the admin guard against cross-site requests, the broadcast join address, a client
-that disconnects mid-body, and the same guards on tandem's vLLM routes."""
+that disconnects mid-body, and the same guards, request checks and queue-depth header on tandem's vLLM routes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import logging
 import socket
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -224,10 +225,14 @@ def test_a_client_that_disconnects_mid_body_costs_one_log_line(server, caplog):
 
 
 class FakeVllmEngine:
-    """The parts of vLLM's EngineClient the admin routes use."""
+    """The parts of vLLM's EngineClient the admin routes, the request checks and the queue depth use: 7 requests
+    unfinished, at most 4 running."""
 
     def __init__(self) -> None:
         self.paused = False
+        self.model_config = SimpleNamespace(max_model_len=64, max_logprobs=5, get_vocab_size=lambda: 100)
+        self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4))
+        self.output_processor = SimpleNamespace(get_num_unfinished_requests=lambda: 7)
 
     async def check_health(self) -> None:
         return None
@@ -269,6 +274,18 @@ def test_the_vllm_routes_share_the_guards(monkeypatch, tmp_path):
             assert too_big.status_code == 413
             wrong_model = await http.post("/generate", json={"prompt_token_ids": [5], "model": "gpt-9"})
             assert wrong_model.status_code == 404 and "not served here" in wrong_model.json()["error"]["message"]
+            # the built-in engine's checks, with this server's limits, before vLLM is asked
+            for sampling, words in [
+                ({"top_p": 0.9}, "sampling masks"),
+                ({"max_tokens": 64}, "does not fit"),
+                ({"top_logprobs": 6}, "max_logprobs"),
+                ({"stop_token_ids": [100]}, "stop_token_ids"),
+            ]:
+                refused = await http.post("/generate", json={"prompt_token_ids": [5], "sampling": sampling})
+                assert refused.status_code == 400 and words in refused.json()["error"]["message"], sampling
+                assert refused.headers["x-queue-depth"] == "3"
+            outside = await http.post("/generate", json={"prompt_token_ids": [100]})
+            assert outside.status_code == 400 and "prompt token ids" in outside.json()["error"]["message"]
             older = await http.post("/update_weights", json={"path": "policy-2", "version": 2})
             assert older.status_code == 409 and "older than the served version 3" in older.json()["error"]["message"]
             assert (await http.post("/pause")).status_code == 200 and engine.paused

@@ -9,7 +9,8 @@ import threading
 
 import torch
 
-from tandem.inference.engine import Collector, Engine
+from tandem.inference.engine import Engine
+from tandem.inference.outputs import Collector
 from tandem.inference.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: pinned copies, events, CUDA graphs
@@ -154,7 +155,7 @@ def test_cancel_pause_and_stop_keep_the_tokens_of_the_step_in_flight(model_dir):
             with torch.inference_mode():
                 for _ in range(5):
                     assert engine._step()
-                assert (engine.in_flight is not None) == overlap
+                assert (engine.runner.in_flight is not None) == overlap
                 if ending == "cancel":
                     engine._abort(request_id)
                 elif ending == "pause":
@@ -163,7 +164,7 @@ def test_cancel_pause_and_stop_keep_the_tokens_of_the_step_in_flight(model_dir):
                 else:
                     engine._stopping = True
                     engine._run()
-            assert engine.in_flight is None and collector.finished
+            assert engine.runner.in_flight is None and collector.finished
             outputs.append([(s.token_ids, s.finish_reason) for s in collector.samples])
         assert outputs[0] == outputs[1], ending
         assert all(len(tokens) == 5 and finish == "abort" for tokens, finish in outputs[0]), ending
@@ -172,7 +173,7 @@ def test_cancel_pause_and_stop_keep_the_tokens_of_the_step_in_flight(model_dir):
     engine.submit([9], SamplingParams(temperature=1.0, max_tokens=4, seed=1, ignore_eos=True), collector.add, n=3)
     with torch.inference_mode():
         for _ in range(20):
-            engine._step() if engine._requests else None
+            engine._step() if engine.requests.live else None
     assert collector.finished and [len(s.token_ids) for s in collector.samples] == [4, 4, 4]
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from inference_support import wait_until
 
-from tandem.inference.engine import Collector, Engine
-from tandem.inference.outputs import PromptLogprobs
+from tandem.inference.engine import Engine
+from tandem.inference.outputs import Collector, PromptLogprobs
 from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.models.logprobs import reference_token_logprobs, score_tokens, token_logprobs
 
@@ -80,10 +80,10 @@ def test_score_tokens_is_token_logprobs_with_the_top_n():
 def test_engine_prompt_logprobs_equal_transformers(make_engine, hf_model, monkeypatch):
     """Prompts split over several prefill steps; sampling (temperature, top-k) does not touch the prompt's scores,
     and a request that does not ask for them costs no scoring."""
-    from tandem.inference import engine as engine_module
+    from tandem.inference import runner as runner_module
 
     scorings = []
-    monkeypatch.setattr(engine_module, "score_tokens", lambda *a, **k: scorings.append(1) or score_tokens(*a, **k))
+    monkeypatch.setattr(runner_module, "score_tokens", lambda *a, **k: scorings.append(1) or score_tokens(*a, **k))
     engine = make_engine(max_prefill_tokens=24)
     prompts = prompts_of((1, 2, 17, 40, 61), engine.vocab_size)
     params = SamplingParams(temperature=0.7, top_k=5, max_tokens=3, seed=1, prompt_logprobs=3)
@@ -291,7 +291,9 @@ def test_the_vllm_routes_refuse_prompt_logprobs_on_generate(monkeypatch, tmp_pat
     middleware = routes.TandemRoutes(app=None)
 
     async def app(scope, receive, send):
-        scope["app"] = SimpleNamespace(state=SimpleNamespace(engine_client=None))  # never reached
+        config = SimpleNamespace(max_model_len=64, max_logprobs=5, get_vocab_size=lambda: 100)
+        engine = SimpleNamespace(model_config=config)  # its limits only: nothing reaches vLLM's engine
+        scope["app"] = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
         await middleware(scope, receive, send)
 
     async def post() -> httpx.Response:

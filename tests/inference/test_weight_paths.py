@@ -180,3 +180,35 @@ def test_the_vllm_routes_check_a_checkpoint_as_the_built_in_server_does(model_di
     _truncate(truncated)
     with pytest.raises(WeightsError, match=rf"{re.escape(str(truncated / WEIGHTS))}.*not a readable safetensors"):
         routes._check_same_model(truncated)
+
+
+def test_both_engines_and_the_in_memory_hand_off_refuse_other_shapes_with_one_check(
+    model_dir, served, weights_dir, tmp_path, monkeypatch
+):
+    """A checkpoint whose config.json is the served model's but whose tensors are not is refused in the same words
+    (`check_same_model`) by the built-in engine (from the tensors it read), by the vLLM routes (from the
+    safetensors headers) and for an in-memory offer of those tensors."""
+    from tandem.inference.vllm.routes import SETTINGS_ENV, RouteSettings, TandemRoutes
+    from tandem.transport.weights.control import Offer, check_offer
+
+    policy = _policy(model_dir("qwen3"), weights_dir / "reshaped")
+    tensors = load_file(policy / WEIGHTS)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
+    save_file(tensors, policy / WEIGHTS, metadata={"format": "pt"})
+    words = r"norm\.weight has shape \(\d+,\), the served model's \(\d+,\)"
+    with pytest.raises(WeightsError, match=words):
+        read_weights(policy, served)
+    settings = RouteSettings(
+        model_dir=str(model_dir("qwen3")), model_name="tiny", weights_dir=str(weights_dir), admin_token=None,
+        exact_replay=True, run_dir=str(tmp_path), max_body_bytes=1024,
+    )  # fmt: skip
+    monkeypatch.setenv(SETTINGS_ENV, settings.to_env())
+    with pytest.raises(WeightsError, match=words):
+        TandemRoutes(app=None)._check_same_model(policy)
+    targets = dict(served.named_parameters())
+    manifest = [(name, param.dtype, tuple(param.shape)) for name, param in targets.items()]
+    norm = next(name for name in targets if name.endswith("norm.weight"))
+    reshaped = [(n, d, (s[0] - 1,)) if n == norm else (n, d, s) for n, d, s in manifest]
+    assert re.search(words, check_offer(Offer(1, 1, reshaped), targets))
+    assert "different model" in check_offer(Offer(1, 1, manifest[1:]), targets)
+    assert check_offer(Offer(1, 1, manifest), targets) is None

@@ -40,7 +40,7 @@ class FakePool:
         pass
 
     async def generate(self, prompt_ids, sampling, n, seed):
-        from tandem.eval.client import RequestError
+        from tandem.client import RequestError
 
         group, self.groups = self.groups, self.groups + 1
         await asyncio.sleep(0.001)

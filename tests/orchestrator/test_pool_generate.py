@@ -9,15 +9,15 @@ import httpx
 import pytest
 import torch
 
+from tandem.client import OpenAIClient
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import InferencePoolConfig, RolloutSamplingConfig
-from tandem.eval.client import OpenAIClient
 from tandem.inference.engine import Engine
-from tandem.inference.msgpack_codec import MEDIA_TYPE, unpack
 from tandem.inference.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from tandem.inference.server import InferenceServer
 from tandem.models import load_model
 from tandem.orchestrator.pool import InferencePool, _completion
+from tandem.wire import MEDIA_TYPE, unpack
 
 PROMPT = [5, 6, 7, 8]
 

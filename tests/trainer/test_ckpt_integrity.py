@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from tandem.trainer import ckpt
@@ -50,7 +51,7 @@ def root(tmp_path) -> Path:
     model, optimizer, scheduler = _trainer()
     for step in (1, 2, 3):
         _train_step(model, optimizer, scheduler)
-        save_checkpoint(tmp_path / "checkpoints", step, model, optimizer, scheduler, {"step": step}, keep=3)
+        save_checkpoint(tmp_path / "checkpoints", step, model, optimizer, scheduler, keep=3)
     return tmp_path / "checkpoints"
 
 
@@ -76,6 +77,7 @@ DAMAGE = {
     "a truncated file": ("model-00000-of-00001.safetensors", lambda f: f.write_bytes(f.read_bytes()[:-9]), "bytes"),
     "a missing file": ("optimizer-00000-of-00001.safetensors", Path.unlink, "missing"),
     "a corrupt manifest": (MANIFEST, lambda f: f.write_text('{"files": {'), "manifest"),
+    "a missing manifest": (MANIFEST, Path.unlink, "missing"),
 }
 
 
@@ -132,7 +134,7 @@ def test_an_interrupted_clean_up_leaves_no_partial_checkpoint(root, monkeypatch)
     _train_step(model, optimizer, scheduler)
     monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(root, 4, model, optimizer, scheduler, {}, keep=3)  # prunes step 1
+        save_checkpoint(root, 4, model, optimizer, scheduler, keep=3)  # prunes step 1
     monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
     assert sorted(list_checkpoints(root)) == [2, 3, 4]
     leftovers = [p for p in root.iterdir() if p.name.startswith(".")]
@@ -144,15 +146,6 @@ def test_an_interrupted_clean_up_leaves_no_partial_checkpoint(root, monkeypatch)
     assert sorted(p.name for p in root.iterdir()) == ["step-000002", "step-000003", "step-000004"]
 
 
-def test_a_checkpoint_without_a_manifest_still_loads(root, caplog):
-    """Checkpoints written before manifests resume (unverified, with a warning)."""
-    (root / "step-000003" / MANIFEST).unlink()
-    with caplog.at_level(logging.WARNING, logger="tandem.trainer.ckpt"):
-        assert resolve_resume(root, None) == (3, root / "step-000003")
-    assert "not verified" in caplog.text
-    assert load_checkpoint(root / "step-000003", *_trainer())["extra"] == {"step": 3}
-
-
 def test_unparsable_files_are_named_when_loading(root):
     state = root / "step-000003" / "state.json"
     state.write_text("{")
@@ -162,6 +155,10 @@ def test_unparsable_files_are_named_when_loading(root):
     weights.write_bytes(b"")
     with pytest.raises(CheckpointError, match=re.escape(f"{weights} is not readable safetensors")):
         load_checkpoint(root / "step-000002", *_trainer())
+    whole = root / "step-000001" / "model-00000-of-00001.safetensors"
+    save_file(_trainer()[0].state_dict(), str(whole))  # whole tensors, no metadata placing them
+    with pytest.raises(CheckpointError, match=re.escape(f"{whole} does not place 0.")):
+        load_checkpoint(root / "step-000001", *_trainer())
 
 
 def _verify_on_rank(rank: int, world: int, path: str, damaged: str) -> None:
@@ -242,7 +239,7 @@ def test_a_resume_removes_the_checkpoints_past_it_so_keep_spares_its_own(root):
     assert resume_step(config, model, optimizer, scheduler) == 1
     assert sorted(list_checkpoints(root)) == [1]
     _train_step(model, optimizer, scheduler)
-    save_checkpoint(root, 2, model, optimizer, scheduler, {}, keep=1)
+    save_checkpoint(root, 2, model, optimizer, scheduler, keep=1)
     assert sorted(list_checkpoints(root)) == [2]
     config.resume.step = None
     assert resume_step(config, *_trainer(seed=2)) == 2

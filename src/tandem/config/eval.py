@@ -17,8 +17,8 @@ from pydantic import Field, field_validator, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import RunConfig
+from tandem.config.env import EnvConfig
 from tandem.config.loader import deep_merge
-from tandem.envs.config import EnvConfig
 
 RetryOn = Literal["connection", "timeout", "5xx", "429"]
 

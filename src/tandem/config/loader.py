@@ -30,8 +30,6 @@ from tandem.config.toml_io import KeyPath, parse_toml_value, read_toml
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
-RESERVED_FLAGS = {"--help", "-h", "--dry-run"}
-
 
 @dataclass
 class Layers:

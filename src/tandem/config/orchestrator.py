@@ -8,8 +8,8 @@ from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import RunConfig
+from tandem.config.env import EnvConfig
 from tandem.config.eval import ConcurrencyConfig, EvalSourceConfig
-from tandem.envs.config import EnvConfig
 
 MAX_REPLAY_KEPT = 2048
 """The most token ids a replayed sampling mask may keep (prime-rl's cap): the trainer builds a

@@ -2,15 +2,16 @@
 
 Eval and training both go through this package: `load_env(EnvConfig)` builds a
 taskset, `apply_select` picks its tasks, `run_episode` rolls one out and scores it.
+The source and select blocks are config models (`tandem.config.env`), exported here too.
 See docs/environments.md.
 """
 
+from tandem.config.env import EnvConfig, IdxRange, SelectConfig, TaskFilter, parse_idx
 from tandem.envs.base import ROLLOUT_FIELDS, Message, Score, Task, Taskset, last_assistant_text, metric, reward
-from tandem.envs.config import EnvConfig, load_env
 from tandem.envs.multiturn import ContextFull, Episode, Generate, MultiTurnTaskset, run_episode
 from tandem.envs.numbers import extract_boxed, extract_final_number, find_numbers, normalize_number
-from tandem.envs.registry import load_taskset, register_taskset, registered_tasksets, resolve_taskset
-from tandem.envs.select import IdxRange, SelectConfig, SelectError, SelectWarning, TaskFilter, apply_select, parse_idx
+from tandem.envs.registry import load_env, load_taskset, register_taskset, registered_tasksets, resolve_taskset
+from tandem.envs.select import SelectError, SelectWarning, apply_select
 from tandem.envs.synthetic import SyntheticTaskset
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Find a taskset class by registered id ("gsm8k") or import path ("my_pkg.tasks:MyTaskset") and build it.
+"""Find a taskset class by registered id ("gsm8k") or import path ("my_pkg.tasks:MyTaskset") and build it,
+alone or as a config's environment source (`load_env`).
 
 Ids map to import paths, so registering costs nothing until the taskset is used.
 """
@@ -10,7 +11,9 @@ import importlib
 import inspect
 from typing import Any
 
+from tandem.config.env import EnvConfig
 from tandem.envs.base import Taskset, require_rewards
+from tandem.envs.multiturn import MultiTurnTaskset
 
 _REGISTRY: dict[str, str] = {
     "reverse_text": "tandem.envs.builtin.reverse_text:ReverseText",
@@ -73,3 +76,15 @@ def load_taskset(id_or_path: str, **args: Any) -> Taskset:
         accepted = ", ".join(inspect.signature(cls).parameters) or "no arguments"
         raise TypeError(f"taskset {id_or_path!r}: bad args {sorted(args)}: {e}; it takes: {accepted}") from None
     return cls(**args)
+
+
+def load_env(config: EnvConfig) -> Taskset:
+    """Build the configured taskset with the config's rollout limits; select its tasks with `apply_select`."""
+    taskset = load_taskset(config.id, **config.args)
+    if config.timeout_s is not None:
+        taskset.timeout_s = config.timeout_s
+    if config.max_turns is not None:
+        if not isinstance(taskset, MultiTurnTaskset):
+            raise ValueError(f"env {config.id!r}: max_turns is set but the taskset is single-turn")
+        taskset.max_turns = config.max_turns
+    return taskset

@@ -36,8 +36,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from tandem.client import Feedback
 from tandem.config.eval import ConcurrencyConfig
 
 logger = logging.getLogger(__name__)
@@ -47,19 +47,6 @@ JUDGED_WINDOW = 16
 fewer is mostly noise. Smaller windows only grow the limit (it takes a few to reach this size)."""
 BASELINE_WEIGHT = 0.25
 """Weight of each judged window that held in the baseline, a moving average of their mean latencies."""
-
-
-@dataclass(frozen=True)
-class Feedback:
-    """What one request attempt says about the server's load."""
-
-    started_at: float
-    """`time.monotonic()` when the request was sent."""
-    latency_s: float
-    overload: str | None = None
-    """Why the attempt counts as overload ("timeout", "connection", "5xx", "429"); None for a success."""
-    queue_depth: int | None = None
-    """Requests waiting on the server, when it reports it (shown, not acted on)."""
 
 
 class AimdController:

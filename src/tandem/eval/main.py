@@ -17,9 +17,9 @@ from typing import Any
 
 from rich.console import Console
 
+from tandem.client import OpenAIClient, RequestError
 from tandem.config import ConfigError
 from tandem.config.eval import EvalConfig
-from tandem.eval.client import OpenAIClient, RequestError
 from tandem.eval.concurrency import AdaptiveLimiter, AimdController
 from tandem.eval.local_server import ServerStartError, local_server
 from tandem.eval.lock import run_lock
@@ -28,8 +28,9 @@ from tandem.eval.resume import resumed_config
 from tandem.eval.runner import Source, load_source, pending_rollouts, run_rollouts
 from tandem.eval.summary import render_table, summarize_source
 from tandem.eval.traces import read_traces
+from tandem.files import atomic_write_text
 from tandem.jsonl import JsonlWriter
-from tandem.run import atomic_write_text, prepare_run_dir
+from tandem.run import prepare_run_dir
 
 logger = logging.getLogger(__name__)
 

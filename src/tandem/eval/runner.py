@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.client import ChatCompletion, OpenAIClient, RequestError
 from tandem.config import ConfigError
 from tandem.config.eval import EvalSourceConfig, SamplingConfig
 from tandem.envs import Message, Task, Taskset, apply_select, load_env, run_episode
 from tandem.envs.tool_env import ToolTaskset
-from tandem.eval.client import ChatCompletion, OpenAIClient, RequestError
 from tandem.eval.concurrency import AdaptiveLimiter
 from tandem.eval.traces import trace_key
 from tandem.jsonl import JsonlWriter

@@ -3,18 +3,23 @@
 a request the same way.
 
 - **Errors.** A handler raises `HTTPError`; `answer` turns it into `{"error": {"message", "type", "param",
-  "code"}}`. Anything else is logged once, with its traceback, and answered 500. A client that disconnects
-  before its body has arrived costs one log line (and a 499 nobody reads).
+  "code"}}`. Code under `refusals()` may raise any ValueError instead (the engines' checks, the OpenAI
+  conversions, a refused checkpoint): a 4xx that names the problem. Anything else is logged once, with its
+  traceback, and answered 500. A client that disconnects before its body has arrived costs one log line (and a
+  499 nobody reads); one that disconnects while its request runs (`unless_client_gone`) cancels the work.
 - **Bodies.** At most `max_body_bytes` (413, before a byte is read when `Content-Length` already says so),
   parsed strictly into a pydantic model; a large body is parsed on a worker thread, so the event loop keeps
   answering `/health` and the other requests meanwhile. A route may also take msgpack (`/generate`, for the
-  rollout path): a body sent as `Content-Type: application/msgpack` is decoded safely (`msgpack_codec`) and
+  rollout path): a body sent as `Content-Type: application/msgpack` is decoded safely (`tandem.wire`) and
   validated by the same model, and `encoded_response` answers in msgpack to a request whose `Accept` names
-  it. Errors are always JSON.
+  it. Errors are always JSON. A streamed answer is server-sent events (`sse_response`) ending in `[DONE]`, or
+  in an error event when the work fails part-way.
 - **Admin routes** (`AdminGuard`): the bearer token when one is configured; a body must be declared JSON and an
   `Origin` header, when a browser sends one, must name this server. A page on another site (or a DNS-rebound
   name) therefore cannot reach them: the "simple" requests a browser sends cross-site without asking (a form,
   a `text/plain` fetch) are refused, and a JSON one needs a CORS preflight this server never grants.
+- **Queue depth.** Every response carries `x-queue-depth`, the requests waiting in the engine
+  (`with_queue_depth`); the eval client's concurrency control reads it.
 """
 
 from __future__ import annotations
@@ -23,29 +28,31 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem import wire
 from tandem.config.inference import InferenceConfig
-from tandem.inference import msgpack_codec
+from tandem.inference.limits import RequestRefused
 from tandem.net import is_loopback
 
 logger = logging.getLogger(__name__)
 
-QUEUE_DEPTH_HEADER = "x-queue-depth"
 CLIENT_GONE = 499
 DEFAULT_MAX_BODY_BYTES: int = InferenceConfig.model_fields["max_body_bytes"].default
 OFF_LOOP_BYTES = 256 * 2**10
 """Bodies above this are parsed on a worker thread (a 25 MB one takes half a second; this one a few milliseconds)."""
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -56,8 +63,15 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.kind, self.param)
+
     def response(self) -> Response:
-        return JSONResponse(error_body(self.status, self.message, self.kind, self.param), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request ran; the work was cancelled and the answer (a 499) goes nowhere."""
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -86,12 +100,28 @@ async def answer(request: Request, handling: Awaitable[Response]) -> Response:
         return await handling
     except HTTPError as error:
         return error.response()
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
     except ClientDisconnect:
         logger.info("%s %s: the client disconnected before sending its whole body", request.method, request.url.path)
         return Response(status_code=CLIENT_GONE)
     except Exception as error:
         logger.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse(error_body(500, f"{type(error).__name__}: {error}", "server_error"), status_code=500)
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """ValueErrors raised inside become the answer: a RequestRefused with its status and field, a pydantic
+    ValidationError field by field, any other a 400 with its message."""
+    try:
+        yield
+    except ValidationError as error:
+        raise HTTPError(400, describe(error)) from None
+    except RequestRefused as error:
+        raise HTTPError(error.status, str(error), param=error.param) from None
+    except ValueError as error:
+        raise HTTPError(400, str(error)) from None
 
 
 def endpoint(handler: Endpoint) -> Endpoint:
@@ -131,11 +161,11 @@ def _media_types(header: str) -> list[str]:
 
 
 def sends_msgpack(request: Request) -> bool:
-    return _media_types(request.headers.get("content-type", ""))[0] == msgpack_codec.MEDIA_TYPE
+    return _media_types(request.headers.get("content-type", ""))[0] == wire.MEDIA_TYPE
 
 
 def accepts_msgpack(request: Request) -> bool:
-    return msgpack_codec.MEDIA_TYPE in _media_types(request.headers.get("accept", ""))
+    return wire.MEDIA_TYPE in _media_types(request.headers.get("accept", ""))
 
 
 async def parse(request: Request, model: type[M], max_bytes: int, *, msgpack: bool = False) -> M:
@@ -149,12 +179,12 @@ async def parse(request: Request, model: type[M], max_bytes: int, *, msgpack: bo
         return validate(body)
     except ValidationError as error:
         raise HTTPError(400, describe(error)) from None
-    except msgpack_codec.MsgpackError as error:
+    except wire.MsgpackError as error:
         raise HTTPError(400, str(error), param="body") from None
 
 
 def _validate_msgpack(model: type[M], body: bytes) -> M:
-    return model.model_validate(msgpack_codec.unpack(body))
+    return model.model_validate(wire.unpack(body))
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
@@ -164,8 +194,8 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
 def encoded_response(request: Request, model: BaseModel, status: int = 200) -> Response:
     """`model` in msgpack when the request's `Accept` names it, else JSON."""
     if accepts_msgpack(request):
-        body = msgpack_codec.pack(model.model_dump())
-        return Response(body, status_code=status, media_type=msgpack_codec.MEDIA_TYPE)
+        body = wire.pack(model.model_dump())
+        return Response(body, status_code=status, media_type=wire.MEDIA_TYPE)
     return json_response(model, status)
 
 
@@ -175,10 +205,42 @@ def sse(data: BaseModel | dict[str, Any]) -> str:
     return f"data: {text}\n\n"
 
 
+def sse_response(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Each chunk as a server-sent event, then `[DONE]`; an HTTPError raised by `chunks` part-way ends the stream
+    with its error event instead (the status line has gone out already). `chunks` is closed when the stream ends,
+    the client's disconnect included, so it can cancel its work."""
+
+    async def events() -> AsyncIterator[str]:
+        async with aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    yield sse(chunk)
+            except HTTPError as error:
+                yield sse(error.body())
+                return
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 async def client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body has been read, so only a disconnect can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_client_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (answered 499) once the client disconnects first. Either way, and when the
+    handler itself is cancelled (server shutdown), `work` is cancelled if it has not finished."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(client_gone(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        gone.cancel()
+    if task not in done:
+        raise ClientGone
+    return task.result()
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -247,9 +309,20 @@ class AdminGuard:
         return guarded
 
 
+def with_queue_depth(send: Send, depth: Callable[[], int | None]) -> Send:
+    """`send`, adding `x-queue-depth` (requests waiting in the engine, read as the response starts) to the
+    response; none when `depth()` is None (an engine that cannot tell)."""
+
+    async def with_header(message: Message) -> None:
+        if message["type"] == "http.response.start" and (value := depth()) is not None:
+            message["headers"] = [*message.get("headers", []), (wire.QUEUE_DEPTH_HEADER.encode(), str(value).encode())]
+        await send(message)
+
+    return with_header
+
+
 class QueueDepthHeader:
-    """Adds `x-queue-depth` (requests waiting in the engine) to every response; the eval client's concurrency
-    control reads it."""
+    """An app with `x-queue-depth` on every HTTP response (`with_queue_depth`)."""
 
     def __init__(self, app: ASGIApp, depth: Callable[[], int]) -> None:
         self.app, self.depth = app, depth
@@ -257,11 +330,4 @@ class QueueDepthHeader:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-
-        async def with_header(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                value = str(self.depth()).encode()
-                message["headers"] = [*message.get("headers", []), (QUEUE_DEPTH_HEADER.encode(), value)]
-            await send(message)
-
-        await self.app(scope, receive, with_header)
+        await self.app(scope, receive, with_queue_depth(send, self.depth))

@@ -1,8 +1,8 @@
 """`tandem inference --model DIR`: load the model, start the engine, serve HTTP until SIGTERM or Ctrl-C.
 
 Once the server accepts connections it prints `tandem inference listening on http://HOST:PORT` and writes
-`<run_dir>/server.json` (`{"url", "pid", "model"}`, atomically), so a parent that passed `--port 0` finds
-the port. While serving, it logs a one-line summary every `log_interval_s` and appends the same record to
+`<run_dir>/server.json` (`{"url", "pid", "model"}`, atomically; `startup.announce`), so a parent that passed
+`--port 0` finds the port. While serving, it logs a one-line summary every `log_interval_s` and appends the same record to
 `<run_dir>/inference_metrics.jsonl` (serving_log.py). With `engine = "vllm"` the same checks run and the same
 file is written, but vLLM serves (`tandem.inference.vllm`).
 """
@@ -13,9 +13,7 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +25,15 @@ from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
 from tandem.inference.serving_log import ServingSummary
-from tandem.models import load_model, model_args
+from tandem.inference.startup import Terminated, announce, check_context, stop_on_sigterm
+from tandem.models import load_model
 from tandem.net import is_loopback
-from tandem.run import atomic_write_text, prepare_run_dir
+from tandem.run import prepare_run_dir
 
 logger = logging.getLogger(__name__)
 
 ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
 GRACEFUL_SHUTDOWN_S = 5
-
-
-class Terminated(Exception):
-    """SIGTERM arrived: stop serving and exit cleanly."""
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated
 
 
 def _model_dir(config: InferenceConfig) -> Path:
@@ -100,25 +91,15 @@ def _admin_token(config: InferenceConfig) -> str | None:
     return admin_token
 
 
-def stop_on_sigterm() -> None:
-    """From now on SIGTERM raises `Terminated` in the main thread (a no-op on other threads)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
-
-
 def run(config: InferenceConfig) -> int:
     model_dir = _model_dir(config)
     admin_token = _admin_token(config)
+    check_context(config.seq_len, model_dir)
     if config.engine == "vllm":
         from tandem.inference.vllm.launch import serve
 
         return serve(config, model_dir, admin_token)
     device = _device(config.device)
-    max_positions = model_args(model_dir).max_position_embeddings
-    if config.seq_len > max_positions:
-        raise ConfigError(
-            f"seq_len {config.seq_len} is longer than the model's max_position_embeddings {max_positions}"
-        )
     stop_on_sigterm()
     run_dir = prepare_run_dir(config)
     engine = None
@@ -132,9 +113,7 @@ def run(config: InferenceConfig) -> int:
             freeze_router=config.model.freeze_router,
         )
         tokenizer = _tokenizer(model_dir)
-        engine = Engine(
-            model, config, tokenizer=_tokenizer(model_dir), eos_token_ids=eos_token_ids(model_dir, tokenizer)
-        )
+        engine = Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer))
         engine.start()
         name = config.served_model_name or model_dir.resolve().name
         logger.info(
@@ -196,12 +175,3 @@ async def _serve(app: Any, config: InferenceConfig, run_dir: Path, name: str, su
     finally:
         if logging_summary is not None:
             logging_summary.cancel()
-
-
-def announce(run_dir: Path, sock: socket.socket, name: str) -> str:
-    """Once the server accepts connections on `sock`: write `<run_dir>/server.json`, print the listening line."""
-    host, port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    atomic_write_text(run_dir / "server.json", json.dumps({"url": url, "pid": os.getpid(), "model": name}) + "\n")
-    print(f"tandem inference listening on {url}", flush=True)
-    return url

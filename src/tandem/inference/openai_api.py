@@ -1,23 +1,36 @@
-"""OpenAI request bodies to engine prompts and parameters, and engine records to OpenAI response bodies.
+"""OpenAI request bodies to engine prompts and parameters, and the engine's samples to OpenAI response bodies.
 
-Pure functions over `protocol` models and the tokenizer; the HTTP plumbing is in `server.py`. Logprobs are
-the engine's (docs/inference.md#sampling); token strings are each token decoded on its own.
+Functions over `protocol` models and the tokenizer, and per route a reply (`CompletionReply`, `ChatReply`) that
+assembles one request's response objects: whole, or chunk by chunk when streamed. The routes (`server.py`) only
+drive the engine and decide what runs on a worker thread. Logprobs are the engine's
+(docs/inference.md#sampling); token strings are each token decoded on its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 from tandem.envs.tool_parsers import ToolParser
 from tandem.inference import tool_calls
-from tandem.inference.outputs import PromptLogprobs, SampleRecord, SampleUpdate, TopLogprobs
+from tandem.inference.limits import RequestRefused
+from tandem.inference.outputs import Collector, PromptLogprobs, SampleRecord, SampleUpdate, TopLogprobs
 from tandem.inference.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
     ChatLogprobs,
+    CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionResponse,
     SamplingParams,
     TokenLogprob,
     TopLogprob,
@@ -25,10 +38,6 @@ from tandem.inference.protocol import (
 )
 
 Sample = TypeVar("Sample", SampleRecord, SampleUpdate)
-
-
-class RequestError(ValueError):
-    """A request that is well-formed but cannot be served as asked (HTTP 400)."""
 
 
 def completion_prompt_inputs(body: CompletionRequest) -> list[str | list[int]]:
@@ -43,10 +52,10 @@ def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[list[int
     """Token ids of each prompt: strings are tokenized (with the tokenizer's special tokens), ids pass through."""
     prompts = completion_prompt_inputs(body)
     if not prompts:
-        raise RequestError("prompt: no prompt given")
+        raise RequestRefused("prompt: no prompt given")
     ids = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
     if any(not p for p in ids):
-        raise RequestError("prompt: a prompt has no tokens")
+        raise RequestRefused("prompt: a prompt has no tokens")
     return ids
 
 
@@ -114,13 +123,13 @@ def chat_tools(
     try:
         rendered = tool_calls.checked_tools(tools, tool_choice)
     except ValueError as error:
-        raise RequestError(str(error)) from None
+        raise RequestRefused(str(error)) from None
     if rendered is None:
         return None
     try:
         return rendered, tool_calls.reply_parser(getattr(tokenizer, "chat_template", None))
     except ValueError as error:
-        raise RequestError(f"tools: this model's tool calls cannot be read: {error}") from None
+        raise RequestRefused(f"tools: this model's tool calls cannot be read: {error}") from None
 
 
 def chat_prompt(
@@ -128,7 +137,7 @@ def chat_prompt(
 ) -> list[int]:
     """The conversation (and `tools`, if any) rendered by the tokenizer's chat template, as token ids."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise RequestError("this model's tokenizer has no chat template; use /v1/completions")
+        raise RequestRefused("this model's tokenizer has no chat template; use /v1/completions")
     messages = [tool_calls.template_message(message.template_dict()) for message in body.messages]
     extra = {"tools": list(tools)} if tools else {}
     try:
@@ -140,7 +149,7 @@ def chat_prompt(
             **body.chat_template_kwargs,
         )
     except Exception as error:  # template errors (a role it rejects, a missing variable) are the caller's
-        raise RequestError(f"messages: the chat template failed: {error}") from None
+        raise RequestRefused(f"messages: the chat template failed: {error}") from None
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -155,7 +164,7 @@ def chat_reply(text: str, engine_reason: str, parser: ToolParser | None) -> tupl
 
 def chat_sampling(body: ChatCompletionRequest) -> SamplingParams:
     if body.top_logprobs and not body.logprobs:
-        raise RequestError("top_logprobs: needs logprobs=true")
+        raise RequestRefused("top_logprobs: needs logprobs=true")
     return body.sampling(body.max_completion_tokens or body.max_tokens, body.top_logprobs)
 
 
@@ -201,3 +210,170 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float], t
             for t, lp, pairs in zip(token_ids, logprobs, alternatives, strict=True)
         ]
     )
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+class CompletionReply:
+    """The response objects of one /v1/completions request. Choice `index * n + s` shows sample s of prompt
+    `index`; with echo, a choice's first chunk starts with its prompt (the text, and with logprobs its scored
+    tokens) and every text offset counts the prompt."""
+
+    def __init__(
+        self, body: CompletionRequest, tokenizer: Any, model: str, prompts: list[list[int]], echoed: list[str]
+    ) -> None:
+        self.body, self.tokenizer, self.model = body, tokenizer, model
+        self.prompts, self.echoed = prompts, echoed
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.logprobs = body.logprobs is not None
+        self.echo_scores: dict[int, CompletionLogprobs | None] = {}
+        self._text_length: dict[int, int] = {}
+        """Streamed: the characters each choice has sent."""
+
+    def unscored(self, indices: Iterable[int]) -> list[int]:
+        """The prompts among `indices` whose echoed logprobs are still to render (none without echo and logprobs)."""
+        if not (self.body.echo and self.logprobs):
+            return []
+        return [i for i in indices if i not in self.echo_scores]
+
+    def score_echoes(self, collectors: Sequence[Collector], indices: list[int]) -> None:
+        """The echoed prompts' logprobs, once per prompt (its n choices share them). A long prompt is as many token
+        decodes as it has tokens, times its top-N: call it on a worker thread."""
+        for i in indices:
+            scores = collectors[i].prompt_logprobs
+            self.echo_scores[i] = echo_logprobs(self.tokenizer, self.prompts[i], scores, self.body.logprobs or 0)
+
+    def chunk(self, index: int, update: SampleUpdate) -> CompletionResponse | None:
+        """The streamed chunk of an update of prompt `index`'s sample; None when it has nothing to show."""
+        body = self.body
+        sample, number = shown(update, body), index * body.n + update.sample
+        first, offset = number not in self._text_length, self._text_length.get(number, 0)
+        self._text_length[number] = offset + len(sample.text)
+        if not (sample.text or sample.finish_reason or self.logprobs or (first and body.echo)):
+            return None
+        return self._response([self._choice(number, sample, offset, first=first)])
+
+    def tail(self, collectors: Sequence[Collector]) -> list[CompletionResponse]:
+        """What a stream sends after its last chunk: the usage, when `stream_options.include_usage` asks."""
+        return [self._response([], self._usage(collectors))] if _include_usage(self.body) else []
+
+    def whole(self, collectors: Sequence[Collector]) -> CompletionResponse:
+        """The response of a request not streamed, its samples finished and its echoes scored. With logprobs it
+        decodes every token of every choice (and its top-N): call it on a worker thread."""
+        choices = [
+            self._choice(index * self.body.n + s, shown(record, self.body), 0, first=True)
+            for index, collector in enumerate(collectors)
+            for s, record in enumerate(collector.samples)
+        ]
+        for done in choices:
+            done.finish_reason = done.finish_reason or "abort"
+        return self._response(choices, self._usage(collectors))
+
+    def _choice(
+        self, number: int, sample: SampleRecord | SampleUpdate, offset: int, *, first: bool
+    ) -> CompletionChoice:
+        """Choice `number` showing `sample`, after `offset` characters of the choice's own text."""
+        body = self.body
+        prompt, top_n = number // body.n, body.logprobs or 0
+        before = len(self.echoed[prompt]) if body.echo else 0
+        lp, text = None, sample.text
+        if self.logprobs:
+            tokens, lps, top = sample.token_ids, sample.logprobs, sample.top_logprobs
+            lp = completion_logprobs(self.tokenizer, tokens, lps, top, top_n, before + offset)
+        if body.echo and first:
+            text = self.echoed[prompt] + text
+            if self.logprobs:
+                lp = joined(self.echo_scores[prompt], lp)
+        return CompletionChoice(
+            index=number,
+            text=text,
+            logprobs=lp,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+            token_ids=sample.token_ids if body.return_token_ids else None,
+        )
+
+    def _response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=int(time.time()), model=self.model, choices=choices, usage=usage)
+
+    def _usage(self, collectors: Sequence[Collector]) -> Usage:
+        completions = [len(shown(s, self.body).token_ids) for c in collectors for s in c.samples]
+        return usage([len(p) for p in self.prompts], completions)
+
+
+class ChatReply:
+    """The response objects of one /v1/chat/completions request: one prompt, n choices. With tools, a streamed
+    choice's calls are held back and sent whole in its last delta (`tool_calls.ToolStream`)."""
+
+    def __init__(
+        self, body: ChatCompletionRequest, tokenizer: Any, model: str, prompt: list[int], parser: ToolParser | None
+    ) -> None:
+        self.body, self.tokenizer, self.model = body, tokenizer, model
+        self.prompt, self.parser = prompt, parser
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        self._streams = [tool_calls.ToolStream(parser) for _ in range(body.n)] if parser and body.stream else None
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        """A stream's first chunks: each choice's assistant role."""
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(self.body.n)
+        ]
+
+    def chunk(self, update: SampleUpdate) -> ChatCompletionChunk | None:
+        """The streamed chunk of a sample's update; None when it has nothing to show."""
+        text, calls, finish = update.text, None, update.finish_reason
+        if self._streams is not None:
+            text, calls, finish = self._streams[update.sample].update(update.text, update.finish_reason)
+        if not (text or finish or self.body.logprobs):
+            return None
+        choice = ChatChunkChoice(
+            index=update.sample,
+            delta=ChatDelta(content=text, tool_calls=calls),
+            logprobs=self._logprobs(update),
+            finish_reason=finish,
+            token_ids=update.token_ids if self.body.return_token_ids else None,
+        )
+        return self._chunk([choice])
+
+    def tail(self, collector: Collector) -> list[ChatCompletionChunk]:
+        """What a stream sends after its last chunk: the usage, when `stream_options.include_usage` asks."""
+        return [self._chunk([], self._usage(collector))] if _include_usage(self.body) else []
+
+    def whole(self, collector: Collector) -> ChatCompletionResponse:
+        """The response of a request not streamed, its samples finished. With logprobs it decodes every token of
+        every choice (and its top-N): call it on a worker thread."""
+        choices = []
+        for s, record in enumerate(collector.samples):
+            message, finish = chat_reply(record.text, record.finish_reason or "abort", self.parser)
+            choices.append(
+                ChatChoice(
+                    index=s,
+                    message=AssistantMessage(**message),
+                    logprobs=self._logprobs(record),
+                    finish_reason=finish,
+                    stop_reason=record.stop_reason,
+                    token_ids=record.token_ids if self.body.return_token_ids else None,
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self._usage(collector),
+            prompt_token_ids=self.prompt if self.body.return_token_ids else None,
+        )
+
+    def _logprobs(self, sample: SampleRecord | SampleUpdate) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return chat_logprobs(self.tokenizer, sample.token_ids, sample.logprobs, sample.top_logprobs)
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def _usage(self, collector: Collector) -> Usage:
+        return usage([len(self.prompt)], [len(s.token_ids) for s in collector.samples])

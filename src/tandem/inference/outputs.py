@@ -1,10 +1,11 @@
-"""What the engine reports about a request: per-sample records, and the updates it sends as they grow."""
+"""What the engine reports about a request: per-sample records, the updates it sends as they grow, and a
+caller's collection of them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.inference.protocol import FinishReason, SampleOutput
+from tandem.inference.protocol import FinishReason, PromptOutput, SampleOutput, SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -110,3 +111,31 @@ class RequestUpdate:
     """On the last update: seconds from submission to the first sampled token (None if there was none)."""
     prompt_logprobs: PromptLogprobs | None = None
     """Once, on the first update after the whole prompt was scored, when the request asked for it."""
+
+
+class Collector:
+    """A request's updates accumulated into its n samples (what a non-streaming caller waits for)."""
+
+    def __init__(self, n: int) -> None:
+        self.samples = [SampleRecord() for _ in range(n)]
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.finished = False
+        self.error: str | None = None
+
+    def add(self, update: RequestUpdate) -> list[SampleUpdate]:
+        self.prompt_logprobs = update.prompt_logprobs or self.prompt_logprobs
+        for sample in update.samples:
+            self.samples[sample.sample].extend(sample)
+        self.finished = update.finished
+        self.error = update.error or self.error
+        return update.samples
+
+    def to_output(self, prompt_tokens: int, params: SamplingParams) -> PromptOutput:
+        """The finished request as `/generate` returns one prompt's samples."""
+        scores = self.prompt_logprobs
+        return PromptOutput(
+            prompt_token_count=prompt_tokens,
+            samples=[s.to_output(with_masks=params.truncates, with_top=params.top_logprobs > 0) for s in self.samples],
+            prompt_logprobs=scores.logprobs if scores else None,
+            prompt_top_logprobs=scores.top if scores and params.prompt_logprobs else None,
+        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.inference.openai_api import RequestError
+from tandem.inference.limits import RequestRefused
 
 CHARS_PER_TOKEN = 8
 """About twice the characters of an English token: the beginning tried is long enough for nearly any text."""
@@ -20,7 +20,7 @@ WHITESPACE = (" ", "\n", "\t")
 
 
 class ContextTokenizer:
-    """The tokenizer, for prompts: calling it refuses text that cannot fit `max_model_len` tokens (RequestError);
+    """The tokenizer, for prompts: calling it refuses text that cannot fit `max_model_len` tokens (RequestRefused);
     everything else is the tokenizer's."""
 
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
@@ -43,7 +43,7 @@ class ContextTokenizer:
             return
         tokens = len(self._tokenizer(text[:end], **kwargs).input_ids)
         if tokens >= self.max_model_len:
-            raise RequestError(
+            raise RequestRefused(
                 f"prompt: its first {end} of {len(text)} characters already make {tokens} tokens; the context is "
                 f"{self.max_model_len} (seq_len), which leaves no room for a completion"
             )

@@ -7,6 +7,7 @@ type is a 400 that names the field rather than a silently ignored setting. docs/
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
@@ -205,7 +206,8 @@ class PromptOutput(WireModel):
 
 
 class GenerateResponse(WireModel):
-    id: str
+    id: str = Field(default_factory=lambda: f"gen-{uuid.uuid4().hex}")
+    """A fresh id for each response, made here so that both engines' responses get one the same way."""
     model: str
     policy_version: int
     """The engine's policy version when the response was made."""

@@ -6,15 +6,22 @@ so CUDA graphs captured against it stay valid. A checkpoint is only accepted fro
 weights directory, with every file it opens inside the checkpoint directory (symlinks resolved, index entries
 included), only if it describes the same architecture and shapes, and only if every weight is finite (a NaN
 would poison every KV cache entry computed from it until the next update); otherwise nothing is touched.
+
+The tensor check is `check_same_model`, the one every way of loading weights shares. The built-in engine
+compares the tensors it read with its parameters (`read_weights`); a server without tandem's model (vLLM)
+compares the checkpoint's safetensors headers with those of the directory it serves (`check_checkpoint`).
+A refusal is a `WeightsError`: a 400 naming the file, or a 403 for a path outside where weights may come from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from tandem.inference.limits import RequestRefused
 from tandem.models import (
     RUNTIME_OPTIONS,
     CausalLM,
@@ -23,16 +30,24 @@ from tandem.models import (
     OutsideDirectoryError,
     iter_runtime_tensors,
     model_args,
+    open_safetensors,
     resolve_inside,
 )
+from tandem.transport.weights.control import check_same_model
+
+Shapes = Mapping[str, tuple[int, ...]]
 
 
-class WeightsError(ValueError):
+class WeightsError(RequestRefused):
     """A weights path or checkpoint the server refuses; the message names the file and says why."""
+
+    param = "path"
 
 
 class ForbiddenWeightsPath(WeightsError):
     """A path outside the directory the server may load weights from."""
+
+    status = 403
 
 
 def resolve_weights_path(path: str, allowed_root: Path) -> Path:
@@ -78,25 +93,54 @@ def _check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
             raise WeightsError(f"{path}: {name} holds NaN or infinite values; refusing to serve them")
 
 
+def _check_same_model(served: Shapes, offered: Shapes, path: Path) -> None:
+    problem = check_same_model(served, offered, str(path))
+    if problem is not None:
+        raise WeightsError(problem)
+
+
 def read_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
     """Every runtime tensor of the checkpoint at `path`, on CPU, checked against `model`'s names and shapes and
     for finite values; every file opened lies inside `path`."""
     args = checkpoint_args(path, model.args)
-    params = dict(model.named_parameters())
     tensors = {}
     try:
         for name, tensor in iter_runtime_tensors(path, args, confined=True):
-            if tensor.shape != params[name].shape:
-                raise WeightsError(
-                    f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
-                )
             _check_finite(path, name, tensor)
             tensors[name] = tensor
     except OutsideDirectoryError as error:
         raise ForbiddenWeightsPath(f"cannot load {path}: {error}") from None
     except (CheckpointError, OSError) as error:
         raise WeightsError(f"cannot load {path}: {error}") from None
+    served = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    _check_same_model(served, {name: tuple(tensor.shape) for name, tensor in tensors.items()}, path)
     return tensors
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over a checkpoint directory's safetensors, from their headers alone;
+    OutsideDirectoryError for a file that links out of the directory, CheckpointError naming a file that is not
+    readable safetensors."""
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open_safetensors(resolve_inside(file, path)) as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def check_checkpoint(path: Path, served_args: ModelArgs, served_shapes: Shapes) -> None:
+    """WeightsError unless the checkpoint directory `path` holds the served model (`served_args`, and the tensor
+    names and shapes of the served directory's `checkpoint_shapes`), from its config.json and safetensors headers
+    alone: the check of a server that loads the tensors elsewhere (vLLM's workers)."""
+    checkpoint_args(path, served_args)
+    try:
+        shapes = checkpoint_shapes(path)
+    except OutsideDirectoryError as error:
+        raise ForbiddenWeightsPath(f"cannot load {path}: {error}") from None
+    except (CheckpointError, OSError) as error:
+        raise WeightsError(f"cannot load {path}: {error}") from None
+    _check_same_model(served_shapes, shapes, path)
 
 
 @torch.no_grad()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tandem.client import OpenAIClient
 from tandem.config.orchestrator import OnlineEvalConfig
-from tandem.eval.client import OpenAIClient
 from tandem.eval.concurrency import AdaptiveLimiter, AimdController
 from tandem.eval.runner import load_source, pending_rollouts, run_rollouts
 from tandem.eval.summary import summarize_source

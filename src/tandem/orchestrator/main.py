@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from tandem.checkpoints import checkpoints_root, list_checkpoints
+from tandem.client import RequestError
 from tandem.config.orchestrator import OrchestratorConfig
 from tandem.envs import Message, MultiTurnTaskset, Task
 from tandem.envs.tool_env import ToolTaskset
-from tandem.eval.client import RequestError
 from tandem.files import atomic_write_text
 from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights

@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tandem.client import OpenAIClient, RequestError
 from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig, RolloutSamplingConfig
-from tandem.eval.client import OpenAIClient, RequestError
 from tandem.inference.masks import decode_mask, mask_size
 from tandem.inference.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config.orchestrator import TrainSourceConfig
-from tandem.envs import Task, Taskset, apply_select
-from tandem.envs.config import load_env
+from tandem.envs import Task, Taskset, apply_select, load_env
 
 
 @dataclass

@@ -19,8 +19,7 @@ unpickles. Ranks write into `step-<N>.tmp/` and rank 0 renames it once all are d
 interrupted clean-up never leaves a partial `step-<N>`; the next start removes what an interrupted save or
 clean-up left. Resuming verifies the newest checkpoint against its manifest (the ranks split the work) and falls
 back to the newest intact one, saying which file was damaged; the checkpoints past the one resumed from are
-removed (a history the resumed run replaces). Checkpoints of earlier versions
-(`model.safetensors` and `optimizer.safetensors` with whole tensors, no manifest) load too, unverified.
+removed (a history the resumed run replaces).
 """
 
 from __future__ import annotations
@@ -153,11 +152,11 @@ def remove_leftovers(root: Path) -> None:
             logger.info("removed %s, left by an interrupted checkpoint save or clean-up", path)
 
 
-def _read_manifest(path: Path) -> dict[str, dict[str, int]] | None:
-    """File name -> {"bytes", "crc32"} from `path`'s manifest; None for a checkpoint written before manifests."""
+def _read_manifest(path: Path) -> dict[str, dict[str, int]]:
+    """File name -> {"bytes", "crc32"} from `path`'s manifest."""
     manifest = path / MANIFEST
     if not manifest.is_file():
-        return None
+        raise CheckpointError(f"checkpoint {path} is damaged: {manifest} is missing")
     try:
         files = json.loads(manifest.read_bytes())["files"]
         return {str(name): {"bytes": int(e["bytes"]), "crc32": int(e["crc32"])} for name, e in files.items()}
@@ -169,9 +168,6 @@ def verify_checkpoint(path: Path) -> None:
     """CheckpointError naming the first file of checkpoint `path` that is missing, has the wrong size or fails its
     checksum. Collective when distributed: every rank checks the sizes, rank r the checksums of every W-th file."""
     manifest = _read_manifest(path)
-    if manifest is None:
-        logger.warning("checkpoint %s has no %s (an earlier version wrote it): not verified", path, MANIFEST)
-        return
     names = sorted(manifest)
     for name in names:
         file, expected = path / name, manifest[name]["bytes"]
@@ -260,9 +256,11 @@ class _SavedPieces:
             handle = self._handle(file)
             meta = json.loads((handle.metadata() or {}).get(_PIECES_KEY, "{}"))
             for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if name not in meta:
+                    raise CheckpointError(f"checkpoint file {file} does not place {name} ({_PIECES_KEY} metadata)")
                 tensor = handle.get_slice(name)
                 local = tuple(tensor.get_shape())
-                whole = meta.get(name, {"shape": local, "offset": [0] * len(local)})  # older files: whole tensors
+                whole = meta[name]
                 self.shapes[name] = tuple(whole["shape"])
                 self.dtypes[name] = _DTYPES[tensor.get_dtype()]
                 self.pieces.setdefault(name, []).append((file, tuple(whole["offset"]), local))
@@ -313,7 +311,6 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    extra: dict[str, Any],
     keep: int,
 ) -> Path:
     """Write step-<step>/ atomically (every rank its own shards, each checksumming what it wrote, then rank 0 the
@@ -339,7 +336,6 @@ def save_checkpoint(
             "scheduler": scheduler.state_dict(),
             "optimizer": optim_meta,
             "rng": _rng_state(),
-            "extra": extra,
         }
         (tmp / "state.json").write_text(json.dumps(state))
         files = {"state.json": [(tmp / "state.json").stat().st_size, file_crc32(tmp / "state.json")]}
@@ -362,13 +358,10 @@ def _rank_file(kind: str, rank: int, world: int) -> str:
     return f"{kind}-{rank:05d}-of-{world:05d}.safetensors"
 
 
-def _files(path: Path, kind: str, state: dict[str, Any]) -> list[Path]:
-    files = sorted(path.glob(f"{kind}*.safetensors"))
-    expected = state.get("world_size")
-    if not files or (expected is not None and len(files) != expected):
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: {len(files)} {kind} files, expected {expected or 'at least one'}"
-        )
+def _files(path: Path, kind: str, world: int) -> list[Path]:
+    files = sorted(path.glob(f"{kind}-*.safetensors"))
+    if len(files) != world:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {len(files)} {kind} files, expected {world}")
     return files
 
 
@@ -444,17 +437,18 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> dict[str, Any]:
-    """Restore everything save_checkpoint wrote, on this run's world size; returns the state (step, extra, ...).
+    """Restore everything save_checkpoint wrote, on this run's world size; returns the state (step, ...).
 
     Parses what it reads with errors naming the file, but checks no checksum: `resolve_resume` verifies first."""
     state = _read_state(path / "state.json")
-    model_files, optimizer_files = _files(path, "model", state), _files(path, "optimizer", state)
+    world = state["world_size"]
+    model_files, optimizer_files = _files(path, "model", world), _files(path, "optimizer", world)
     layout = _Layout(model)
     _load_model(path, layout, _SavedPieces(model_files))
     _load_optimizer(path, model, optimizer, layout, _SavedPieces(optimizer_files), state["optimizer"])
     scheduler.load_state_dict(_fit_scheduler(state["scheduler"], len(optimizer.param_groups)))
     _set_rng_state(state["rng"])
-    logger.info("resumed from %s (step %d, saved by %s ranks)", path, state["step"], state.get("world_size", 1))
+    logger.info("resumed from %s (step %d, saved by %d ranks)", path, state["step"], world)
     return state
 
 

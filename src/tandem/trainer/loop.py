@@ -158,12 +158,12 @@ def run_steps(
             )
             if step < config.max_steps:  # the last step's are the final ones
                 if config.ckpt.interval and step % config.ckpt.interval == 0:
-                    ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, {}, config.ckpt.keep)
+                    ckpt.save_checkpoint(ckpt_root, step, model, optimizer, scheduler, config.ckpt.keep)
                 if config.ckpt.hf_interval and step % config.ckpt.hf_interval == 0:
                     path = config.run_dir / "hf" / f"step-{step:06d}"
                     export_hf(model, training.info, path, world, config.model.dtype)
     if speed.save_final:
-        ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, {}, config.ckpt.keep)
+        ckpt.save_checkpoint(ckpt_root, config.max_steps, model, optimizer, scheduler, config.ckpt.keep)
 
 
 def _accumulate_gradients(

@@ -135,11 +135,3 @@ def shutdown_distributed() -> None:
     """
     gc.collect()
     dist.destroy_process_group()
-
-
-def all_reduce_sum(value: float | int, device: torch.device) -> float:
-    """Sum a Python number over ranks (one small collective)."""
-    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return float(tensor)

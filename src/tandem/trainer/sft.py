@@ -19,8 +19,9 @@ import torch
 
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.sft import SftConfig
+from tandem.files import atomic_write_text
 from tandem.models import ModelArgs
-from tandem.run import atomic_write_text, claim_run_dir, exit_code, prepare_run_dir, setup_logging
+from tandem.run import claim_run_dir, exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_documents, stack
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl

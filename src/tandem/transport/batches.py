@@ -3,7 +3,7 @@
 `<run>/batches/step-<N>.safetensors` holds every micro-batch of every trainer rank for step N,
 keyed `rank<r>.micro<m>.<field>`, plus JSON metadata (step, world size, micro-batches per rank,
 anything else the orchestrator reports). Safetensors is self-describing and never unpickles; the
-file is written under a temporary name and renamed, so a reader never sees half a batch.
+file is written atomically (`tandem.files.atomic_path`), so a reader never sees half a batch.
 
 Sampling masks are stored compressed, as CSR: `kept_counts` `[rows, seq_len]` int32 (the number of ids
 sampling kept at each position; 0: the whole vocabulary) and `kept_ids` `[sum of counts]` int32 (those ids,
@@ -14,7 +14,6 @@ index the model's logprobs take, K being the largest count of that micro-batch o
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from tandem.files import atomic_path
 
 MicroBatch = dict[str, torch.Tensor]
 
@@ -46,11 +47,9 @@ def write_batch(root: Path, step: int, ranks: list[list[MicroBatch]], meta: dict
         for name, tensor in micro.items()
     }
     header = {"step": step, "world_size": len(ranks), "micro_batches": micro_counts.pop(), **meta}
-    root.mkdir(parents=True, exist_ok=True)
     final = batch_path(root, step)
-    tmp = final.with_name(f".{final.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"tandem": json.dumps(header)})
-    os.replace(tmp, final)
+    with atomic_path(final) as tmp:
+        save_file(tensors, str(tmp), metadata={"tandem": json.dumps(header)})
     return final
 
 

@@ -8,14 +8,13 @@ imported only here and in those modules; without it, the run stops with a messag
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
 from tandem.config import ConfigError
 from tandem.config.inference import InferenceConfig
-from tandem.inference.main import Terminated, stop_on_sigterm
+from tandem.inference.startup import Terminated, stop_on_sigterm
 from tandem.inference.vllm.routes import SETTINGS_ENV, RouteSettings
 from tandem.run import prepare_run_dir
 
@@ -48,18 +47,9 @@ def vllm_argv(config: InferenceConfig, model_dir: Path, name: str, *, gpu: bool)
     return [*argv, *config.vllm_args]
 
 
-def _max_positions(model_dir: Path) -> int | None:
-    value = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-    return value if isinstance(value, int) else None
-
-
 def serve(config: InferenceConfig, model_dir: Path, admin_token: str | None) -> int:
-    """Run the vLLM server until SIGTERM or Ctrl-C (the `tandem inference` runner for engine vllm)."""
-    max_positions = _max_positions(model_dir)
-    if max_positions is not None and config.seq_len > max_positions:
-        raise ConfigError(
-            f"seq_len {config.seq_len} is longer than the model's max_position_embeddings {max_positions}"
-        )
+    """Run the vLLM server until SIGTERM or Ctrl-C (the `tandem inference` runner for engine vllm; `main.run` has
+    checked the model directory, the admin token and the context)."""
     try:
         import torch
         import uvloop

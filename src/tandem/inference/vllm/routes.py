@@ -2,8 +2,10 @@
 
 It answers `POST /generate` (JSON or msgpack), `/update_weights`, `/pause`, `/resume` and `GET /health` with the
 request and response bodies of the built-in server (`tandem.inference.protocol`) and, through the same plumbing
-(`tandem.inference.http`), its errors, body-size limit, admin guard and model check, plus its weights-directory
-restriction, so the orchestrator cannot tell the engines apart; every other request goes on to vLLM. The engine is vLLM's `EngineClient` (`app.state.engine_client`):
+(`tandem.inference.http`), its errors, body-size limit, admin guard, model check and disconnect handling, plus its
+request checks (`limits.check_prompt`) and weights-directory restriction, so the orchestrator cannot tell the
+engines apart; every other request goes on to vLLM. Every response, vLLM's own included, carries `x-queue-depth`.
+The engine is vLLM's `EngineClient` (`app.state.engine_client`):
 
 - `/generate` runs one vLLM request per prompt (`n` samples each), with logprobs of the sampled tokens as vLLM
   computes them after temperature and truncation (`--logprobs-mode processed_logprobs`) and per-token policy
@@ -12,7 +14,8 @@ restriction, so the orchestrator cannot tell the engines apart; every other requ
   `exact_replay = false`.
 - `/pause` freezes vLLM's scheduler with requests kept (`pause_generation(mode="keep")`), `/resume` restarts it.
 - `/update_weights` checks the checkpoint like the built-in server (same architecture and tensor shapes as the
-  served model, inside `weights_dir`), then, with generation held, has every worker load it in place
+  served model, inside `weights_dir`: `weights.check_checkpoint`), then, with generation held, has every worker
+  load it in place
   (worker.py), drops the KV cache computed with the old weights (requests in flight are recomputed from their
   tokens) and labels what follows with the new version.
 
@@ -38,18 +41,19 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.inference.http import (
-    CLIENT_GONE,
     AdminGuard,
     HTTPError,
     answer,
     check_model,
     check_version_order,
-    client_gone,
     encoded_response,
     json_response,
     parse,
+    refusals,
+    unless_client_gone,
+    with_queue_depth,
 )
-from tandem.inference.main import announce
+from tandem.inference.limits import ServerLimits, check_prompt
 from tandem.inference.protocol import (
     EngineStatus,
     GenerateRequest,
@@ -59,9 +63,10 @@ from tandem.inference.protocol import (
     SamplingParams,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
-    context_room,
 )
-from tandem.inference.weights import ForbiddenWeightsPath, WeightsError, checkpoint_args, resolve_weights_path
+from tandem.inference.startup import announce
+from tandem.inference.weights import Shapes, check_checkpoint, checkpoint_shapes, resolve_weights_path
+from tandem.models import ModelArgs, model_args
 
 logger = logging.getLogger(__name__)
 
@@ -90,19 +95,6 @@ class RouteSettings:
         return cls(**json.loads(os.environ[SETTINGS_ENV]))
 
 
-def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over a checkpoint directory's safetensors (headers only); OutsideDirectoryError for a
-    file that links out of the directory, CheckpointError naming a file that is not readable safetensors."""
-    from tandem.models import open_safetensors, resolve_inside
-
-    shapes = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with open_safetensors(resolve_inside(file, path)) as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
-
-
 Handler = Callable[[Request, Any], Awaitable[Response]]
 
 
@@ -122,19 +114,24 @@ class TandemRoutes:
         }
         self.error: str | None = None  # set when a weight update failed part-way
         self._weights_lock: asyncio.Lock | None = None
-        self._served: tuple[Any, dict[str, tuple[int, ...]]] | None = None
+        self._served: tuple[ModelArgs, Shapes] | None = None
         self._announcing: asyncio.Task | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self.app(scope, receive, self._on_startup(scope, send))
             return
-        handler = self.routes.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        engine = getattr(scope["app"].state, "engine_client", None)  # set once vLLM's start-up has made it
+        send = with_queue_depth(send, lambda: _waiting(engine))
+        handler = self.routes.get((scope.get("method", ""), scope.get("path", "")))
         if handler is None:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive)
-        response = await answer(request, handler(request, scope["app"].state.engine_client))
+        response = await answer(request, handler(request, engine))
         await response(scope, receive, send)
 
     # --- start-up: version 0, then server.json once the server listens ---
@@ -192,46 +189,36 @@ class TandemRoutes:
         if self.error is not None:
             raise HTTPError(503, f"not generating with partly loaded weights: {self.error}", "server_error")
         params = body.sampling
-        if params.truncates and self.settings.exact_replay:
-            raise HTTPError(
-                400,
-                "vLLM returns no sampling masks, so the trainer cannot replay top-k/top-p/min-p sampling exactly: "
-                "sample with top_k 0, top_p 1 and min_p 0, or start the server with `exact_replay = false` "
-                "(the trainer then renormalises over the whole vocabulary)",
-                param="sampling",
-            )
-        if params.prompt_logprobs is not None:  # refused, not ignored: the caller would read nulls as "none asked"
-            raise HTTPError(
-                400,
-                "prompt_logprobs on /generate is served by the built-in engine only; with vLLM use "
-                "/v1/completions with echo and logprobs (vLLM's own)",
-                param="sampling.prompt_logprobs",
-            )
-        max_model_len = engine.model_config.max_model_len
-        try:
+        limits = self._limits(engine)
+        with refusals():  # every prompt, before anything is sent to vLLM for any
             for prompt in body.prompts:
-                context_room(len(prompt), params.max_tokens, max_model_len)
-        except ValueError as error:
-            raise HTTPError(400, str(error)) from None
+                check_prompt(prompt, params, limits, n=body.n)
         vllm_params = _vllm_sampling(params, body.n)
         tasks = [asyncio.ensure_future(self._prompt(engine, prompt, vllm_params, params)) for prompt in body.prompts]
-        everything, gone = asyncio.gather(*tasks), asyncio.ensure_future(client_gone(request))
         try:
-            done, _ = await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # cancelling a vLLM request's generator aborts it
-            gone.cancel()
+            outputs = await unless_client_gone(request, asyncio.gather(*tasks))
+        finally:  # also when one prompt failed: cancelling a vLLM request's generator aborts it
             for task in tasks:
                 task.cancel()
-        if everything not in done:
-            everything.cancel()
-            return Response(status_code=CLIENT_GONE)
         response = GenerateResponse(
-            id=f"gen-{uuid.uuid4().hex}",
-            model=self.settings.model_name,
-            policy_version=await self._version(engine),
-            outputs=everything.result(),
+            model=self.settings.model_name, policy_version=await self._version(engine), outputs=outputs
         )
         return encoded_response(request, response)
+
+    def _limits(self, engine: Any) -> ServerLimits:
+        """What this vLLM server can serve: its model's vocabulary, context and logprob cap; no sampling masks (so
+        truncated sampling only without `exact_replay`) and no prompt logprobs on /generate. vLLM schedules a
+        request's samples itself, so the built-in engine's batch limits do not apply."""
+        config = engine.model_config
+        vocab_size = config.get_vocab_size()
+        return ServerLimits(
+            vocab_size=vocab_size,
+            max_model_len=config.max_model_len,
+            max_logprobs=config.max_logprobs if config.max_logprobs >= 0 else vocab_size,  # -1: vLLM's "no cap"
+            text=True,
+            replays_truncation=not self.settings.exact_replay,
+            prompt_logprobs=False,
+        )
 
     async def _prompt(self, engine: Any, prompt: list[int], vllm_params: Any, params: SamplingParams) -> PromptOutput:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
@@ -254,12 +241,9 @@ class TandemRoutes:
         self._weights_lock = self._weights_lock or asyncio.Lock()
         async with self._weights_lock:
             check_version_order(body.version, await self._version(engine), body.rollback)
-            try:
+            with refusals():
                 path = resolve_weights_path(body.path, Path(self.settings.weights_dir))
                 self._check_same_model(path)
-            except WeightsError as error:
-                status = 403 if isinstance(error, ForbiddenWeightsPath) else 400
-                raise HTTPError(status, str(error), param="path") from None
             hold = not await engine.is_paused()  # the orchestrator pauses first; a lone call pauses here
             started = time.monotonic()
             if hold:
@@ -284,26 +268,23 @@ class TandemRoutes:
         return json_response(UpdateWeightsResponse(policy_version=body.version, load_s=load_s, pause_s=pause_s))
 
     def _check_same_model(self, path: Path) -> None:
-        """WeightsError unless `path` holds the served architecture with the served tensor names and shapes
-        (ForbiddenWeightsPath for a file that links out of it), as the built-in server checks."""
-        from tandem.models import CheckpointError, OutsideDirectoryError, model_args
-
+        """WeightsError unless `path` holds the served model (ForbiddenWeightsPath for a file that links out of
+        it), compared with the served directory's config.json and safetensors headers (`check_checkpoint`)."""
         if self._served is None:  # the served directory, which the user named, is trusted
             served_dir = Path(self.settings.model_dir)
             self._served = (model_args(served_dir), checkpoint_shapes(served_dir))
-        served_args, served_shapes = self._served
-        checkpoint_args(path, served_args)
-        try:
-            shapes = checkpoint_shapes(path)
-        except OutsideDirectoryError as error:
-            raise ForbiddenWeightsPath(f"cannot load {path}: {error}") from None
-        except (CheckpointError, OSError) as error:
-            raise WeightsError(f"cannot load {path}: {error}") from None
-        if shapes != served_shapes:
-            wrong = sorted(set(shapes) ^ set(served_shapes)) or sorted(
-                n for n in shapes if shapes[n] != served_shapes[n]
-            )
-            raise WeightsError(f"{path}: its tensors differ from the served model's in {wrong[:5]}")
+        check_checkpoint(path, *self._served)
+
+
+def _waiting(engine: Any) -> int | None:
+    """The sequences waiting in vLLM's engine, as far as this process can tell (None when it cannot): vLLM's
+    engine client counts the requests it has not finished, each of n samples apart, but not which of them wait,
+    and at most `max_num_seqs` of them run."""
+    count = getattr(getattr(engine, "output_processor", None), "get_num_unfinished_requests", None)
+    config = getattr(engine, "vllm_config", None)
+    if count is None or config is None:
+        return None
+    return max(0, count() - config.scheduler_config.max_num_seqs)
 
 
 def _version_number(label: str | None) -> int | None:

@@ -23,7 +23,7 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -254,17 +254,35 @@ class ControlReceiver:
         self.store.set(f"{stage}/{offer.seq}/{self.join.rank}", value)
 
 
-def check_offer(offer: Offer, targets: dict[str, torch.Tensor]) -> str | None:
-    """Why `targets` (the model's weights by name) cannot take `offer`, or None if they can."""
-    names = [name for name, _, _ in offer.tensors]
-    missing, unexpected = sorted(set(targets) - set(names)), sorted(set(names) - set(targets))
+def check_same_model(
+    served: Mapping[str, Sequence[int]], offered: Mapping[str, Sequence[int]], source: str
+) -> str | None:
+    """Why the weights `source` offers (tensor name -> shape) are not the served model's (`served`), or None when
+    they are. The one check of every way new weights reach a server: an in-memory offer (`check_offer`), a
+    checkpoint directory on the built-in engine and on vLLM (`tandem.inference.weights`)."""
+    missing, unexpected = sorted(set(served) - set(offered)), sorted(set(offered) - set(served))
     if missing or unexpected:
-        return f"policy {offer.version} holds a different model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-    for name, dtype, shape in offer.tensors:
-        if tuple(targets[name].shape) != shape:
-            return f"policy {offer.version}: {name} has shape {shape}, this server's model {tuple(targets[name].shape)}"
+        return (
+            f"{source} holds a different model than the one being served: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, shape in offered.items():
+        if tuple(shape) != tuple(served[name]):
+            return f"{source}: {name} has shape {tuple(shape)}, the served model's {tuple(served[name])}"
+    return None
+
+
+def check_offer(offer: Offer, targets: dict[str, torch.Tensor]) -> str | None:
+    """Why `targets` (the model's weights by name) cannot take `offer`, or None if they can: a different model,
+    or a tensor that does not travel as floating point."""
+    source = f"policy {offer.version}"
+    offered = {name: shape for name, _, shape in offer.tensors}
+    problem = check_same_model({name: tuple(t.shape) for name, t in targets.items()}, offered, source)
+    if problem is not None:
+        return problem
+    for name, dtype, _ in offer.tensors:
         if not dtype.is_floating_point:
-            return f"policy {offer.version}: {name} comes as {dtype}, not a floating-point dtype"
+            return f"{source}: {name} comes as {dtype}, not a floating-point dtype"
     return None
 
 

@@ -7,8 +7,9 @@ import asyncio
 import httpx
 import pytest
 
+from tandem.client import OpenAIClient, RequestError
 from tandem.config.eval import RetryConfig
-from tandem.eval.client import QUEUE_DEPTH_HEADER, OpenAIClient, RequestError
+from tandem.wire import QUEUE_DEPTH_HEADER
 
 FAST = {"backoff_s": 0.001, "max_backoff_s": 0.01}
 

@@ -1,12 +1,11 @@
 """An async client for OpenAI-compatible servers: retries by rule, errors by kind, load feedback per attempt.
 
-Nothing here is eval-specific: the orchestrator sends training rollouts
-through the same client (`request` takes any path, e.g. a token-in endpoint).
-Every attempt that says something about the server's load (a success, or a
-timeout / connection error / 5xx / 429) is reported as a `Feedback`, so an
-`AdaptiveLimiter` can follow the server. Bodies are JSON; `request(..., msgpack=True)`
-sends and asks for msgpack instead (tandem's `/generate`), much cheaper for big token and
-logprob lists, and decodes whichever of the two the server answered with.
+The orchestrator (training rollouts, online evals) and `tandem eval` both talk to inference servers through
+it, so it sits below both packages. `request` takes any path (e.g. the token-in endpoint). Every attempt
+that says something about the server's load (a success, or a timeout / connection error / 5xx / 429) is
+reported as a `Feedback`, so a concurrency limiter (`tandem.eval.concurrency`) can follow the server. Bodies
+are JSON; `request(..., msgpack=True)` sends and asks for msgpack instead (tandem's `/generate`), much
+cheaper for big token and logprob lists, and decodes whichever of the two the server answered with.
 """
 
 from __future__ import annotations
@@ -21,18 +20,28 @@ from typing import Any, Literal
 
 import httpx
 
+from tandem import wire
 from tandem.config.eval import RetryConfig
-from tandem.eval.concurrency import Feedback
-from tandem.inference import msgpack_codec
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO, drowning a run's log
 
-QUEUE_DEPTH_HEADER = "x-queue-depth"
-"""Response header a server may set to the number of requests it has waiting (the built-in server does)."""
 
 ErrorKind = Literal["connection", "timeout", "5xx", "429", "status", "protocol"]
 OVERLOAD_KINDS = frozenset({"connection", "timeout", "5xx", "429"})
 """Failures that mean the server is struggling, as opposed to a bad request ("status") or a bad answer."""
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What one request attempt says about the server's load."""
+
+    started_at: float
+    """`time.monotonic()` when the request was sent."""
+    latency_s: float
+    overload: str | None = None
+    """Why the attempt counts as overload ("timeout", "connection", "5xx", "429"); None for a success."""
+    queue_depth: int | None = None
+    """Requests waiting on the server, when it reports it (shown, not acted on)."""
 
 
 class RequestError(Exception):
@@ -82,17 +91,17 @@ def _server_root(base_url: str) -> str:
     return root.removesuffix("/v1")
 
 
-_MSGPACK_HEADERS = {"Content-Type": msgpack_codec.MEDIA_TYPE, "Accept": msgpack_codec.MEDIA_TYPE}
+_MSGPACK_HEADERS = {"Content-Type": wire.MEDIA_TYPE, "Accept": wire.MEDIA_TYPE}
 
 
 def _decoded(response: httpx.Response, method: str, path: str, msgpack: bool) -> Any:
     """The body: msgpack (decoded safely) when it was asked for and its `Content-Type` says so (a server that
     cannot answer msgpack answers JSON), else JSON; RequestError if it is not what it says."""
     media = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    if msgpack and media == msgpack_codec.MEDIA_TYPE:
+    if msgpack and media == wire.MEDIA_TYPE:
         try:
-            return msgpack_codec.unpack(response.content)
-        except msgpack_codec.MsgpackError as error:
+            return wire.unpack(response.content)
+        except wire.MsgpackError as error:
             raise RequestError("protocol", f"{method} {path}: {error}") from None
     try:
         return response.json()
@@ -152,7 +161,7 @@ class OpenAIClient:
                 await asyncio.sleep(self._backoff(attempt, error.retry_after))
                 attempt += 1
         latency = time.monotonic() - started
-        depth = _header_number(response, QUEUE_DEPTH_HEADER)
+        depth = _header_number(response, wire.QUEUE_DEPTH_HEADER)
         queue_depth = None if depth is None else int(depth)
         self._report(Feedback(started, latency, queue_depth=queue_depth))
         return Reply(_decoded(response, method, path, msgpack), latency, attempt + 1, queue_depth)
@@ -163,7 +172,7 @@ class OpenAIClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 if msgpack:
-                    content = None if body is None else msgpack_codec.pack(body)
+                    content = None if body is None else wire.pack(body)
                     response = await self._http.request(method, path, content=content, headers=_MSGPACK_HEADERS)
                 else:
                     response = await self._http.request(method, path, json=body)
