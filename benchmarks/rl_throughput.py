@@ -5,7 +5,7 @@ trainer alone and the engine alone on the same work, measured in the same invoca
     python benchmarks/rl_throughput.py --tokenizer-dir tok/ --out results.json # GPU: Qwen3-0.6B and 1.7B shapes
     python benchmarks/rl_throughput.py --smoke                                 # CPU: a tiny model, every run kind
 
-The setting (issue 21): random bf16 weights of the model's shape (written once with tandem's build_model and
+The setting: random bf16 weights of the model's shape (written once with tandem's build_model and
 save_model) and the real Qwen3 tokenizer; 16 prompts x group 16 = 256 rollouts a step of env reverse_text,
 256 new tokens each at temperature 1 with `ignore_eos` (fixed-length rollouts), seq_len 4096, no zero-advantage
 filtering (every step trains exactly the sampled batch), `--warmup` steps, `--steps` measured steps, and one more
@@ -35,7 +35,7 @@ wall time; `hand-off s`: the trainer's median `publish_s`; `reload s`: the serve
 trainer's peak reserved memory. `vs sync = (train + decode) / step` and `vs ideal = step / max(train, decode)`,
 where train is the RL step's tokens at the SFT baseline's tokens/s and decode the engine-alone batch time. A
 value a run does not report is `-`; a recipe switch this tandem does not have is left out and listed. The
-issue's targets follow the tables as pass/fail. The table comes last.
+targets follow the tables as pass/fail. The table comes last.
 """
 
 from __future__ import annotations
@@ -522,7 +522,7 @@ def annotate(results: list[Result]) -> None:
 
 
 def targets(results: list[Result]) -> list[str]:
-    """The issue's targets, pass or fail, for the runs they apply to."""
+    """The targets, pass or fail, for the runs they apply to."""
     lines = []
 
     def verdict(ok: bool) -> str:

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny offline HF model directories, one per architecture, built once per session."""
+"""Fixtures every directory may use: tiny offline HF model directories (built once per session), the shared GSM8K
+split."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from support.paths import GSM8K_TEST
+from support.tiny_models import INIT_STD
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,3 +34,21 @@ def tiny_model_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir):
+    """`model_dir(arch="qwen3")` -> a tiny HF directory (trained tokenizer, ChatML template) with INIT_STD weights."""
+
+    def make(arch: str = "qwen3") -> Path:
+        return tiny_model_dir(arch, initializer_range=INIT_STD)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def gsm8k_path() -> Path:
+    """The shared GSM8K test split, read in place; tests that need it skip, saying so, where it is missing."""
+    if not GSM8K_TEST.is_file():
+        pytest.skip(f"GSM8K test split not found at {GSM8K_TEST} (expected the shared data checkout next to the repo)")
+    return GSM8K_TEST

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from support.paths import GSM8K_TEST, REPO
 from tandem.cli import main
 from tandem.jsonl import read_records
 from tandem.testing.progress import tree_state, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PLACEHOLDER = re.compile(r"<[^>]+>")
 """`outputs/<eval run>`: a name the reader fills in; the journey tests run those commands on real runs."""
 
@@ -49,7 +49,7 @@ def documented_commands() -> list[tuple[str, str]]:
                     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
                         words = words[1:]  # environment assignments: CUDA_VISIBLE_DEVICES=0,1 tandem ...
                     if words[:1] == ["tandem"]:
-                        commands.append((f"{page.relative_to(ROOT)}:{number}", shlex.join(words[1:])))
+                        commands.append((f"{page.relative_to(REPO)}:{number}", shlex.join(words[1:])))
     return commands
 
 
@@ -67,16 +67,13 @@ def test_documented_command_resolves(where, command, tmp_path, monkeypatch, caps
         pytest.skip(f"{where} names a placeholder; its journey test runs it on a real run")
     argv = shlex.split(command)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    (tmp_path / "examples").symlink_to(REPO / "examples")
     for index, word in enumerate(argv[:-1]):
         if word == "@" and not (tmp_path / argv[index + 1]).exists():
             (tmp_path / argv[index + 1]).write_text("")  # the reader's own file (`@ run.toml`): defaults suffice
     if "--help" not in argv and "--dry-run" not in argv:
         argv.append("--dry-run")
     assert main(argv) == 0, f"{where}: `tandem {command}` failed: {capsys.readouterr().err}"
-
-
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def readme_eval_commands() -> list[str]:
@@ -86,12 +83,12 @@ def readme_eval_commands() -> list[str]:
 
 def shrunk_example(tmp_path: Path) -> Path:
     """examples/eval/gsm8k.toml as written, with its sizes cut for a tiny model on two cores."""
-    text = (ROOT / "examples" / "eval" / "gsm8k.toml").read_text()
+    text = (REPO / "examples" / "eval" / "gsm8k.toml").read_text()
     for old, new in [
         ("limit = 200", "limit = 2"),
         ("num_tasks = 100", "num_tasks = 2"),
         ("max_tokens = 512", "max_tokens = 8"),
-        ('"../shared/data/gsm8k/test.jsonl"', f'"{GSM8K}"'),
+        ('"../shared/data/gsm8k/test.jsonl"', f'"{GSM8K_TEST}"'),
     ]:
         assert old in text, f"examples/eval/gsm8k.toml no longer has {old!r}: update this test"
         text = text.replace(old, new)
@@ -118,7 +115,7 @@ def served_tiny_model(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GSM8K.exists(), reason=f"the shared GSM8K file is not at {GSM8K}")
+@pytest.mark.skipif(not GSM8K_TEST.exists(), reason=f"the shared GSM8K file is not at {GSM8K_TEST}")
 def test_the_readme_eval_commands_run_as_written(served_tiny_model, tmp_path, monkeypatch):
     single, sources, resume = readme_eval_commands()
     monkeypatch.chdir(tmp_path)
@@ -127,7 +124,7 @@ def test_the_readme_eval_commands_run_as_written(served_tiny_model, tmp_path, mo
     def as_run(command: str, run_name: str) -> list[str]:
         for written, here in [
             ("http://127.0.0.1:8000/v1", served_tiny_model),
-            ("../shared/data/gsm8k/test.jsonl", str(GSM8K)),
+            ("../shared/data/gsm8k/test.jsonl", str(GSM8K_TEST)),
             ("examples/eval/gsm8k.toml", str(example)),
             ("'outputs/<eval' 'run>'", str(tmp_path / "sources")),  # the placeholder's two words, as shlex.join quotes them
         ]:

@@ -2,52 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.jsonl import read_jsonl, read_metrics
+from support.runs import rl_command, run_to_end, tandem_rl, write_rl_sources
 from tandem.jsonl import read_records
-from tandem.testing.progress import run_while_progressing, spawn, tree_state, wait_for
+from tandem.testing.progress import spawn, tree_state, wait_for
 from tandem.trainer.ckpt import list_checkpoints
 
-
-def tandem_rl(model_dir, out, *flags):
-    """Run `tandem rl` to its end while it makes progress (its output, or anything under `out`, changes)."""
-    command = [
-        sys.executable, "-m", "tandem", "rl", "--model", str(model_dir), "--model.dtype", "float32",
-        "--seq-len", "256", "--output-dir", str(out), "--run-name", "rl", "--orchestrator.batch-size", "16",
-        "--orchestrator.group-size", "4", "--trainer.optim.lr", "1e-3", *flags,
-    ]  # fmt: skip
-    return run_while_progressing(command, watch=[out])
-
-
-def records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def write_sources(tmp_path, env_id="reverse_text"):
-    path = tmp_path / "sources.toml"
-    path.write_text(
-        f'[[orchestrator.source]]\nid = "{env_id}"\nsampling = {{ max_tokens = 16 }}\n'
-        "[orchestrator.eval]\ninterval = 2\n"
-        '[[orchestrator.eval.source]]\nid = "arithmetic"\nargs = { num_tasks = 3 }\nsampling = { max_tokens = 8 }\n'
-    )
-    return str(path)
+pytestmark = pytest.mark.slow
 
 
 def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     result = tandem_rl(
-        tiny_model_dir("qwen3"), tmp_path, "@", write_sources(tmp_path), "--max-steps", "3",
+        tiny_model_dir("qwen3"), tmp_path, "@", write_rl_sources(tmp_path), "--max-steps", "3",
         "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage",
         "--trainer.weights.transport", "file", "--orchestrator.keep-batches", "--orchestrator.eval.at-start",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "rl"
-    trainer, stream = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    trainer, stream = read_metrics(run_dir), read_jsonl(run_dir / "orchestrator_metrics.jsonl")
     rollouts = [r for r in stream if r.get("kind") != "eval"]
     evals = [r for r in stream if r.get("kind") == "eval"]
     assert [r["step"] for r in trainer] == [r["step"] for r in rollouts] == [1, 2, 3]
@@ -66,14 +43,13 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     for evaluation in evals:
         assert sum(evaluation[f"eval/arithmetic/{o}"] for o in ("ok", "truncated", "timeout", "error")) == 3
         assert evaluation["eval/arithmetic/error"] == 0 and evaluation["eval/arithmetic/reward"] is not None
-    assert len((run_dir / "evals" / "step-000002" / "traces.jsonl").read_text().splitlines()) == 3
-    assert len((run_dir / "evals" / "step-000000" / "traces.jsonl").read_text().splitlines()) == 3
+    assert len(read_jsonl(run_dir / "evals" / "step-000002" / "traces.jsonl")) == 3
+    assert len(read_jsonl(run_dir / "evals" / "step-000000" / "traces.jsonl")) == 3
 
 
 def test_a_failing_child_stops_the_run_with_its_error(tiny_model_dir, tmp_path):
-    result = tandem_rl(
-        tiny_model_dir("qwen3"), tmp_path, "@", write_sources(tmp_path, "no_such_env"), "--max-steps", "2"
-    )
+    sources = write_rl_sources(tmp_path, "no_such_env")
+    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", sources, "--max-steps", "2", check=False)
     assert result.returncode == 1
     assert "orchestrator exited" in result.stderr and "no_such_env" in result.stderr
 
@@ -89,7 +65,6 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("env_id", ["LetterE", "LetterETurns"])
 def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir, tmp_path, env_id):
     """prime-rl's resume check, in the default async setting (async_level 1): a run killed between checkpoints,
@@ -97,11 +72,10 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     and multi-turn (two replies an episode, both trained)."""
     sources = tmp_path / "letter_e.toml"
     sources.write_text(f'[[orchestrator.source]]\nid = "tandem.testing.toy_envs:{env_id}"\nsampling = {{ max_tokens = 16 }}\n')
-    command = [sys.executable, "-m", "tandem", "rl", "--model", str(tiny_model_dir("qwen3")), "--model.dtype",
-               "float32", "--seq-len", "256", "--output-dir", str(tmp_path), "--run-name", "rl",
-               "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4", "@", str(sources),
-               "--max-steps", "12", "--trainer.ckpt.interval", "3", "--trainer.optim.lr", "3e-2",
-               "--orchestrator.log-samples", "2"]  # fmt: skip
+    command = rl_command(
+        tiny_model_dir("qwen3"), tmp_path, "@", str(sources), "--max-steps", "12", "--trainer.ckpt.interval", "3",
+        "--trainer.optim.lr", "3e-2", "--orchestrator.log-samples", "2",
+    )  # fmt: skip
     run_dir = tmp_path / "rl"
 
     def past_checkpoint_6() -> bool:
@@ -116,13 +90,12 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     assert newest < max(r["step"] for r in read_records(run_dir / "metrics.jsonl")), "killed between checkpoints"
     assert max(r["step"] for r in read_records(run_dir / "orchestrator_metrics.jsonl")) > newest  # sampled ahead
 
-    result = run_while_progressing([*command, "--resume"], watch=[run_dir])
-    assert result.returncode == 0, result.stderr[-4000:]
-    trainer = records(run_dir / "metrics.jsonl")
-    rollouts = [r for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"]
+    run_to_end([*command, "--resume"], watch=[run_dir])
+    trainer = read_metrics(run_dir)
+    rollouts = [r for r in read_jsonl(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"]
     assert [r["step"] for r in trainer] == list(range(1, 13))
     assert [r["step"] for r in rollouts] == list(range(1, 13))
-    assert [r["step"] for r in records(run_dir / "rollouts.jsonl")] == [s for s in range(1, 13) for _ in (0, 1)]
+    assert [r["step"] for r in read_jsonl(run_dir / "rollouts.jsonl")] == [s for s in range(1, 13) for _ in (0, 1)]
     # the final policy is the run's result; what every server moved past was pruned, batches included
     assert sorted(p.name for p in (run_dir / "policies").iterdir()) == ["step-000012"]
     # batch 12 waited for policy 10 (async_level 1): the trained batches up to 10 are gone
@@ -143,22 +116,18 @@ def test_top_k_top_p_rollouts_replay_the_same_distribution_in_the_trainer(tiny_m
     )
     flags = ["--max-steps", "2", "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage"]
     flags += ["--orchestrator.keep-batches"]  # batch 1 is read back below
-    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", str(sources), *flags)
-    assert result.returncode == 0, result.stderr[-4000:]
+    tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", str(sources), *flags)
     from tandem.transport.batches import read_batch
 
     micros, _ = read_batch(tmp_path / "rl" / "batches", 1, 0, 1)
     counts = micros[0]["kept_counts"][micros[0]["target_ids"] != -100]  # the kept sets, stored as CSR
     assert ((counts >= 1) & (counts <= 20)).all()  # every token's top-k set
     # p (trainer, renormalised over the kept set) and q (engine) are the same distribution: KL ~ 0
-    assert all(abs(r["mismatch_kl"]) < 1e-6 for r in records(tmp_path / "rl" / "metrics.jsonl"))
+    assert all(abs(r["mismatch_kl"]) < 1e-6 for r in read_metrics(tmp_path / "rl"))
 
 
 def test_ctrl_c_stops_every_process(tiny_model_dir, tmp_path):
-    command = [sys.executable, "-m", "tandem", "rl", "--model", str(tiny_model_dir("qwen3")), "--model.dtype",
-               "float32", "--seq-len", "256", "--output-dir", str(tmp_path), "--run-name", "rl",
-               "--orchestrator.batch-size", "16", "--orchestrator.group-size", "4", "@", write_sources(tmp_path),
-               "--max-steps", "1000"]  # fmt: skip
+    command = rl_command(tiny_model_dir("qwen3"), tmp_path, "@", write_rl_sources(tmp_path), "--max-steps", "1000")
     run_dir = tmp_path / "rl"
     metrics = run_dir / "metrics.jsonl"
     with spawn(command, watch=[run_dir]) as launcher:

@@ -7,46 +7,38 @@ rewarded by the fraction of 'e' characters in the reply, which a 4-layer model c
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-from tandem.testing.progress import run_while_progressing
+import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "reverse_text"
+from support.jsonl import read_jsonl, read_metrics
+from support.paths import EXAMPLES
+from support.runs import run_tandem, run_to_end, tandem_sft
 
+EXAMPLE = EXAMPLES / "reverse_text"
 
-def run(command, watch):
-    """Run to the end while the command makes progress (its output, or files under `watch`, keep changing)."""
-    result = run_while_progressing(command, watch=[watch])
-    assert result.returncode == 0, result.stderr[-4000:]
-
-
-def records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+pytestmark = pytest.mark.slow
 
 
 def test_rl_raises_the_reward_with_tiny_mismatch(tmp_path):
     data = tmp_path / "data"
-    run([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], data)
-    tandem = [sys.executable, "-m", "tandem"]
+    run_to_end([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], watch=[data])
     sft = ["--model.name", str(data / "model"), "--data.path", str(data / "train.jsonl"), "--output-dir", str(tmp_path)]
-    run([*tandem, "sft", "@", str(EXAMPLE / "sft.toml"), *sft, "--max-steps", "50"], tmp_path)
+    tandem_sft("@", str(EXAMPLE / "sft.toml"), *sft, "--max-steps", "50")
     sources = tmp_path / "sources.toml"
     sources.write_text(
         '[[orchestrator.source]]\nid = "tandem.testing.toy_envs:LetterE"\nsampling = { temperature = 1.0, max_tokens = 24 }\n'
     )
     start = tmp_path / "reverse-text-sft" / "hf" / "final"
     # The example's RL config at CI size: 64 rollouts a step, no held-out evals, the plain GRPO advantage.
-    run([*tandem, "rl", "@", str(EXAMPLE / "rl.toml"), "@", str(sources), "--model.name", str(start),
-         "--output-dir", str(tmp_path), "--max-steps", "20", "--trainer.optim.lr", "3e-4",
-         "--orchestrator.async-level", "0", "--orchestrator.batch-size", "64", "--orchestrator.group-size", "8",
-         "--orchestrator.eval.interval", "0", "--orchestrator.eval.no-at-start",
-         "--orchestrator.advantage.no-normalize-std", "--trainer.scheduler.warmup-steps", "0"], tmp_path)  # fmt: skip
+    run_tandem("rl", "@", str(EXAMPLE / "rl.toml"), "@", str(sources), "--model.name", str(start),
+               "--output-dir", str(tmp_path), "--max-steps", "20", "--trainer.optim.lr", "3e-4",
+               "--orchestrator.async-level", "0", "--orchestrator.batch-size", "64", "--orchestrator.group-size", "8",
+               "--orchestrator.eval.interval", "0", "--orchestrator.eval.no-at-start",
+               "--orchestrator.advantage.no-normalize-std", "--trainer.scheduler.warmup-steps", "0")  # fmt: skip
     run_dir = tmp_path / "reverse-text-rl"
-    rewards = [r["reward"] for r in records(run_dir / "orchestrator_metrics.jsonl")]
-    trainer = records(run_dir / "metrics.jsonl")
+    rewards = [r["reward"] for r in read_jsonl(run_dir / "orchestrator_metrics.jsonl")]
+    trainer = read_metrics(run_dir)
     assert len(rewards) == len(trainer) == 20
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(f"reward: first 3 steps {first:.3f}, last 3 steps {last:.3f}")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from support.jsonl import read_jsonl, read_metrics
+from support.runs import tandem_rl
 from tandem.config.rl import RlConfig, RlDeployConfig
 from tandem.launch import child_envs, server_configs
-from test_rl_e2e import records, tandem_rl
 
 
 def test_each_child_sees_only_its_gpus():
@@ -47,17 +48,17 @@ def test_several_servers_keep_their_own_run_files(tmp_path):
     assert single["inference"].run_dir == tmp_path / "rl"
 
 
+@pytest.mark.slow
 def test_two_servers_fed_by_the_weight_broadcast_serve_every_policy_exactly(tiny_model_dir, tmp_path):
     sources = tmp_path / "sources.toml"
     sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\nsampling = { max_tokens = 16 }\n')
-    result = tandem_rl(
+    tandem_rl(
         tiny_model_dir("qwen3"), tmp_path, "@", str(sources), "--max-steps", "3", "--orchestrator.async-level", "0",
         "--orchestrator.no-filter-zero-advantage", "--trainer.optim.lr", "1e-2", "--deploy.inference-servers", "2",
         "--trainer.weights.transport", "broadcast", "--trainer.weights.timeout-s", "60",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "rl"
-    trainer, rollouts = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    trainer, rollouts = read_metrics(run_dir), read_jsonl(run_dir / "orchestrator_metrics.jsonl")
     assert [r["step"] for r in trainer] == [r["step"] for r in rollouts] == [1, 2, 3]
     assert [r["policy_version"] for r in rollouts] == [0, 1, 2]
     # On-policy (async 0), batch N is sampled by policy N-1, which the trainer holds at step N: the servers

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from support.jsonl import read_jsonl, read_metrics
+from support.runs import tandem_rl, write_rl_sources
 from tandem.config import load_config
 from tandem.config.rl import RlConfig
 from tandem.launch import weight_transport
-from test_rl_e2e import records, tandem_rl, write_sources
 
 
 @pytest.mark.parametrize(
@@ -33,18 +34,18 @@ def test_vllm_refuses_an_in_memory_transport():
         load_config(RlConfig, ["--inference.engine", "vllm", "--trainer.weights.transport", "shared"])
 
 
+@pytest.mark.slow
 def test_rl_hands_each_policy_over_in_shared_memory_and_prunes(tiny_model_dir, tmp_path):
     result = tandem_rl(
-        tiny_model_dir("qwen3"), tmp_path, "@", write_sources(tmp_path), "--max-steps", "3",
+        tiny_model_dir("qwen3"), tmp_path, "@", write_rl_sources(tmp_path), "--max-steps", "3",
         "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage", "--trainer.optim.lr", "1e-2",
         "--orchestrator.eval.interval", "0",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
     assert "weight transport: shared" in result.stderr
     run_dir = tmp_path / "rl"
     assert 'transport = "shared"' in (run_dir / "trainer.toml").read_text()
     assert 'weight_transport = "shared"' in (run_dir / "orchestrator.toml").read_text()
-    trainer, rollouts = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    trainer, rollouts = read_metrics(run_dir), read_jsonl(run_dir / "orchestrator_metrics.jsonl")
     assert [r["step"] for r in trainer] == [r["step"] for r in rollouts] == [1, 2, 3]
     assert [r["policy_version"] for r in rollouts] == [0, 1, 2]
     # On-policy (async 0): batch N is sampled by policy N-1, the weights the trainer holds at step N. Stale

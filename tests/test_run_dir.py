@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 import torch.distributed as dist
 
+from support.jsonl import read_metrics
+from support.runs import tandem_sft
 from tandem.cli import main
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.rl import RlConfig
 from tandem.config.sft import SftConfig
 from tandem.run import claim_run_dir, prepare_run_dir
-from tandem.testing.progress import run_while_progressing
 
 
 def earlier_run(run_dir):
@@ -101,17 +99,16 @@ def test_sft_and_rl_refuse_before_touching_the_earlier_run(tmp_path, tiny_model_
 
 def test_sft_overwrite_replaces_the_earlier_run(tmp_path, tiny_model_dir):
     run_dir = earlier_run(tmp_path / "run")
-    command = [
-        sys.executable, "-m", "tandem", "sft", "--model", str(tiny_model_dir("qwen3")), "--data.fake",
-        "--seq-len", "32", "--batch-size", "1", "--max-steps", "1", "--output-dir", str(tmp_path), "--run-name", "run",
+    flags = [
+        "--model", str(tiny_model_dir("qwen3")), "--data.fake", "--seq-len", "32", "--batch-size", "1",
+        "--max-steps", "1", "--output-dir", str(tmp_path), "--run-name", "run",
     ]  # fmt: skip
-    result = run_while_progressing([*command, "--overwrite"], watch=[tmp_path])
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = tandem_sft(*flags, "--overwrite")
     assert "deleted the earlier run" in result.stderr
     assert not (run_dir / "policies").exists()
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1]
     assert "old log" not in (run_dir / "logs" / "sft.log").read_text()
-    again = run_while_progressing(command, watch=[tmp_path])  # the new run is protected in turn
+    again = tandem_sft(*flags, check=False)  # the new run is protected in turn
     assert again.returncode == 2 and "holds an earlier run" in again.stderr
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from dashboard_records import heartbeat, rollout, trace, write_jsonl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))  # the eval tests' fake OpenAI server
+from support.dashboard_records import heartbeat, rollout, trace
+from support.jsonl import write_jsonl
 
 OLD = 1_700_000_000  # an mtime far in the past: nothing written recently
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
-from fake_server import FakeServer
 
+from support.fake_openai import FakeServer
+from support.runs import run_to_end, tandem_command, tandem_sft
+from support.servers import free_port
 from tandem.cli import main
 from tandem.eval.traces import read_traces
-from tandem.testing.progress import run_while_progressing, spawn
+from tandem.testing.progress import spawn
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = [
@@ -30,18 +30,10 @@ CHROMIUM_FLAGS = [
 ]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def chromium(tmp_path: Path, *args: str) -> str:
     profile = tmp_path / f"profile-{time.monotonic_ns()}"
     command = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args]
-    result = run_while_progressing(command, watch=[profile])  # its renderers die with it if it stalls
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
+    return run_to_end(command, watch=[profile]).stdout  # its renderers die with it if it stalls
 
 
 def answers(url: str) -> bool:
@@ -68,21 +60,17 @@ def sft_run(outputs: Path, model_dir: Path, data: Path) -> None:
         "--model", str(model_dir), "--model.dtype", "float32", "--data.path", str(data), "--seq-len", "128",
         "--batch-size", "2", "--max-steps", "3", "--output-dir", str(outputs), "--run-name", "tiny-sft",
     ]  # fmt: skip
-    result = run_while_progressing([sys.executable, "-m", "tandem", "sft", *flags], watch=[outputs])
-    assert result.returncode == 0, result.stderr[-3000:]
+    tandem_sft(*flags)
 
 
 def eval_run(outputs: Path) -> Counter:
     """A reverse_text eval against the fake server: right, echoed and timed-out answers. Returns outcome counts."""
     calls = iter(range(1000))
-    server = FakeServer(answer=lambda messages: str(messages[-1]["content"])[::-1]).start()
-    server.delay = lambda messages: 0.5 if next(calls) % 3 == 0 else 0.0
-    try:
+    with FakeServer(answer=lambda messages: str(messages[-1]["content"])[::-1]) as server:
+        server.delay = lambda messages: 0.5 if next(calls) % 3 == 0 else 0.0
         common = ["--base-url", f"{server.url}/v1", "--output-dir", str(outputs), "--run-name", "tiny-eval"]
         flags = ["--env.args", "{num_tasks = 6}", "--env.timeout-s", "0.2", "--env.retries.backoff-s", "0.001"]
         assert main(["eval", "reverse_text", *flags, *common]) == 0
-    finally:
-        server.stop()
     return Counter(record["outcome"] for record in read_traces(outputs / "tiny-eval" / "traces.jsonl"))
 
 
@@ -103,7 +91,7 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
     assert outcomes["timeout"] >= 1 and outcomes["timeout"] < sum(outcomes.values())
 
     port = free_port()
-    command = [sys.executable, "-m", "tandem", "dashboard", "--outputs", str(outputs), "--port", str(port)]
+    command = tandem_command("dashboard", "--outputs", str(outputs), "--port", str(port))
     base = f"http://127.0.0.1:{port}"
     with spawn(command) as dashboard:
         dashboard.wait_until(lambda: answers(f"{base}/api/runs"), "it answered")

@@ -9,9 +9,10 @@ import os
 import time
 
 import pytest
-from dashboard_records import heartbeat, write_jsonl
 
 import tandem.jsonl
+from support.dashboard_records import heartbeat
+from support.jsonl import write_jsonl
 from tandem.dashboard.listing import list_runs
 from tandem.dashboard.runs import STORED_POINTS, MetricsLog, Outputs, Strided, downsample
 

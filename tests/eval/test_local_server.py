@@ -1,8 +1,7 @@
 """`tandem eval --model DIR` without `--base-url` starts the built-in server; a server that dies is reported.
 
-The end-to-end run against the real server comes with it (issue 5); until then
-`tandem inference` exits at once, which is the path tested here (a missing model
-directory fails it just the same once the server exists).
+Here the server exits before it is healthy, its model directory missing. Evals against a live built-in server run
+in tests/eval/test_builtin_server_gsm8k.py and tests/inference/test_main.py.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ import signal
 import sys
 from collections import Counter
 
-from fake_server import FakeServer
-
+from support.fake_openai import FakeServer
 from tandem.cli import main
 from tandem.eval.traces import read_traces
 from tandem.testing.progress import spawn
@@ -43,11 +42,8 @@ def test_kill_9_then_resume_runs_each_rollout_exactly_once(tmp_path, fake_server
 
     # A fresh server counts the resumed run's requests alone: one the killed eval had sent may still arrive
     # at the first (the server is not part of what a resumed eval must keep).
-    server = FakeServer().start()
-    try:
+    with FakeServer() as server:
         assert main(["eval", *eval_argv(server.url), "--resume", str(run_dir)]) == 0
-    finally:
-        server.stop()
     assert len(server.requests) == TASKS * ROLLOUTS - len(before)  # only what was missing
     after = read_traces(traces)
     assert after[: len(before)] == before

@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import torch
-from inference_support import INIT_STD, ServerThread, engine_config
 
+from support.inference import ServerThread, engine_config
+from support.tiny_models import quiet_transformers  # noqa: F401 (autouse for this directory)
 from tandem.inference.engine import Engine
 from tandem.inference.main import eos_token_ids
 from tandem.models import load_model
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _quiet_transformers():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-@pytest.fixture(scope="session")
-def model_dir(tiny_model_dir):
-    """`model_dir(arch)`: a tiny HF directory (trained tokenizer, ChatML template) with INIT_STD weights."""
-
-    def make(arch: str = "qwen3") -> Path:
-        return tiny_model_dir(arch, initializer_range=INIT_STD)
-
-    return make
 
 
 @pytest.fixture(scope="session")

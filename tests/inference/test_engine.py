@@ -8,8 +8,9 @@ import threading
 
 import pytest
 import torch
-from inference_support import INIT_STD, wait_until
 
+from support.polling import wait_until
+from support.tiny_models import INIT_STD
 from tandem.inference.decode import decode_inputs, decode_step
 from tandem.inference.masks import kept_ids_rows
 from tandem.inference.outputs import Collector, RequestUpdate
@@ -228,7 +229,7 @@ def test_static_decode_step_equals_the_cache_batch_decode(model_dir):
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_same_tokens(make_engine):
     """`compile=True` traces the decode step (cache writes included) with dynamic shapes (~20 s of inductor)."""
-    from inference_support import skip_without_inductor_toolchain
+    from support.inference import skip_without_inductor_toolchain
 
     prompts = _prompts(3, 512, seed=6)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # all finish together: no batch of 1

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from inference_support import wait_until
 
+from support.polling import wait_until
 from tandem.inference import client_template
 from tandem.inference.http import OFF_LOOP_BYTES
 from tandem.inference.weights_receiver import ReceiverEndpoint

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from inference_support import SEQ_LEN
 
+from support.inference import SEQ_LEN
 from tandem.inference.protocol import SamplingParams
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness (the dev extra installs lm-eval[api,hf])")

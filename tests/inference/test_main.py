@@ -11,6 +11,7 @@ import sys
 import httpx
 import pytest
 
+from support.jsonl import read_jsonl
 from tandem.cli import main
 from tandem.jsonl import read_records
 from tandem.testing.progress import tree_state, wait_for
@@ -74,6 +75,6 @@ def test_tandem_eval_runs_against_the_built_in_server(model_dir, tmp_path):
         "--output-dir", str(tmp_path), "--run-name", "ev", "--startup-timeout-s", "120",
     ]  # fmt: skip
     assert main(argv) == 0
-    records = [json.loads(line) for line in (tmp_path / "ev" / "traces.jsonl").read_text().splitlines()]
+    records = read_jsonl(tmp_path / "ev" / "traces.jsonl")
     assert len(records) == 3
     assert all(r["outcome"] in ("ok", "truncated") and r["tokens"]["completion"] > 0 for r in records), records

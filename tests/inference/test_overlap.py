@@ -131,8 +131,7 @@ def test_a_stop_found_while_the_next_step_is_in_flight_drops_that_step(make_engi
 
 def _stepped(model_dir, **overrides) -> Engine:
     """An engine whose thread never starts: commands run at once and the test calls `_step` itself."""
-    from inference_support import engine_config
-
+    from support.inference import engine_config
     from tandem.models import load_model
 
     path = model_dir("qwen3")

@@ -10,8 +10,8 @@ import threading
 import httpx
 import pytest
 import torch
-from inference_support import wait_until
 
+from support.polling import wait_until
 from tandem.inference.engine import Engine
 from tandem.inference.outputs import Collector, PromptLogprobs
 from tandem.inference.protocol import GenerateResponse, SamplingParams

@@ -10,8 +10,10 @@ import threading
 import httpx
 import openai
 import pytest
-from inference_support import INIT_STD, SEQ_LEN, wait_until
 
+from support.inference import SEQ_LEN
+from support.polling import wait_until
+from support.tiny_models import INIT_STD
 from tandem.inference.masks import decode_mask
 from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.testing import write_tiny_model

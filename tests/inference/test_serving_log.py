@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from inference_support import wait_until
-
+from support.polling import wait_until
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.serving_log import METRICS_FILE, ServingSummary
 from tandem.jsonl import read_records

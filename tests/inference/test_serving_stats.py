@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from inference_support import INIT_STD, wait_until
-
+from support.polling import wait_until
+from support.tiny_models import INIT_STD
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.serving_log import METRICS_FILE, ServingSummary
 from tandem.inference.weights import read_weights

@@ -10,8 +10,9 @@ import json
 import httpx
 import pytest
 import torch
-from inference_support import ServerThread, wait_until
 
+from support.inference import ServerThread
+from support.polling import wait_until
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.weights import read_weights
 from tandem.models import load_model, save_model

@@ -4,15 +4,14 @@ vLLM serving the rollouts."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from inference_support import INIT_STD
 
+from support.jsonl import read_jsonl, read_metrics
+from support.runs import tandem_rl, write_rl_sources
+from support.tiny_models import INIT_STD
 from tandem.models import load_model
 from tandem.transport.batches import read_batch
 
@@ -25,10 +24,6 @@ pytestmark = [
 ]
 
 STEPS = 3
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def mismatch_kl(policy: Path, batch: list[dict]) -> float:
@@ -52,24 +47,14 @@ def mismatch_kl(policy: Path, batch: list[dict]) -> float:
 
 def test_tandem_rl_trains_against_vllm_and_serves_each_new_policy(tiny_model_dir, tmp_path):
     model = tiny_model_dir("qwen3", head_dim=64, initializer_range=INIT_STD)
-    sources = tmp_path / "sources.toml"
-    sources.write_text(
-        '[[orchestrator.source]]\nid = "reverse_text"\nsampling = { max_tokens = 16 }\n'
-        "[orchestrator.eval]\ninterval = 2\n"  # online evals go through vLLM's own chat route
-        '[[orchestrator.eval.source]]\nid = "arithmetic"\nargs = { num_tasks = 3 }\nsampling = { max_tokens = 8 }\n'
-    )
-    command = [
-        sys.executable, "-m", "tandem", "rl", "--model", str(model), "--model.dtype", "float32", "--seq-len", "256",
-        "--output-dir", str(tmp_path), "--run-name", "rl", "@", str(sources), "--max-steps", str(STEPS),
-        "--inference.engine", "vllm", "--inference.device", "cpu", "--orchestrator.batch-size", "16",
-        "--orchestrator.group-size", "4", "--orchestrator.async-level", "0",
-        "--orchestrator.no-filter-zero-advantage", "--trainer.optim.lr", "1e-3",
+    # the online evals go through vLLM's own chat route
+    tandem_rl(
+        model, tmp_path, "@", write_rl_sources(tmp_path), "--max-steps", str(STEPS), "--inference.engine", "vllm",
+        "--inference.device", "cpu", "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage",
         "--orchestrator.keep-batches", "--trainer.ckpt.hf-interval", "1",
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=540)
-    assert result.returncode == 0, result.stderr[-4000:]
+    )  # fmt: skip
     run_dir = tmp_path / "rl"
-    trainer, stream = records(run_dir / "metrics.jsonl"), records(run_dir / "orchestrator_metrics.jsonl")
+    trainer, stream = read_metrics(run_dir), read_jsonl(run_dir / "orchestrator_metrics.jsonl")
     rollouts = [r for r in stream if r.get("kind") != "eval"]
     evals = [r for r in stream if r.get("kind") == "eval"]
     assert [e["step"] for e in evals] == [2]

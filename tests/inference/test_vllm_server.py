@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from inference_support import INIT_STD, SEQ_LEN
 
+from support.inference import SEQ_LEN
+from support.tiny_models import INIT_STD
 from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.models import IGNORE_INDEX, load_model
 from tandem.run import log_tail

@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 
-from tandem.config.orchestrator import OrchestratorConfig
-from tandem.orchestrator.main import Orchestrator
+from support.orchestrator import FakeAdmin, make_config, run_orchestrator
 from tandem.orchestrator.pool import Completion
 from tandem.transport.batches import read_batch
-from tandem.transport.policies import mark_complete, policy_dir
-
-
-class FakeAdmin:
-    """A server's admin routes, as the file follower calls them: records each policy it is told to load."""
-
-    def __init__(self):
-        self.loads: list[tuple[str, int]] = []
-
-    async def request(self, method, route, body=None):
-        if route == "/update_weights":
-            assert (Path(body["path"]) / "COMPLETE").exists(), f"told to load {body['path']}, which is gone"
-            self.loads.append((body["path"], body["version"]))
+from tandem.transport.policies import policy_dir
 
 
 class FakePool:
@@ -59,44 +45,10 @@ class FakePool:
         pass
 
 
-async def fake_trainer(run_dir, max_steps):
-    """Publishes policy N once batch N exists, like the trainer would after training it."""
-    for step in range(1, max_steps + 1):
-        while not (run_dir / "batches" / f"step-{step:06d}.safetensors").exists():
-            await asyncio.sleep(0.01)
-        path = policy_dir(run_dir / "policies", step)
-        path.mkdir(parents=True)
-        mark_complete(path)
-
-
-def make_config(tmp_path, model_dir, **overrides):
-    values = {
-        "model": str(model_dir), "seq_len": 256, "batch_size": 8, "group_size": 4, "max_steps": 4,
-        "output_dir": str(tmp_path), "run_name": "run", "source": [{"id": "reverse_text"}],
-    }  # fmt: skip
-    values.update(overrides)
-    return OrchestratorConfig.model_validate(values)
-
-
-def run(config, pool, with_trainer=True):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
-    pool.tokenizer = tokenizer
-    orchestrator = Orchestrator(config, tokenizer, pool)
-
-    async def both():
-        trainer = [fake_trainer(config.run_dir, config.max_steps)] if with_trainer else []
-        await asyncio.gather(orchestrator.run(config.resume_step), *trainer)
-
-    asyncio.run(asyncio.wait_for(both(), 60))
-    return [json.loads(line) for line in (config.run_dir / "orchestrator_metrics.jsonl").read_text().splitlines()]
-
-
 def test_every_batch_is_full_and_filtered_groups_are_replaced(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, tiny_model_dir("qwen3"), keep_batches=True)
     pool = FakePool(None, fail_every=5)
-    metrics = run(config, pool)
+    metrics = run_orchestrator(config, pool)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for step in range(1, 5):
         micros, header = read_batch(config.run_dir / "batches", step, 0, 1)
@@ -114,7 +66,7 @@ def test_every_batch_is_full_and_filtered_groups_are_replaced(tiny_model_dir, tm
 
 def test_async_level_bounds_how_far_inference_runs_ahead(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=0, max_steps=3)
-    metrics = run(config, FakePool(None))
+    metrics = run_orchestrator(config, FakePool(None))
     # async_level 0: batch N is sampled only with policy N-1
     for m in metrics:
         assert m["staleness"] == {"1": 8}, m
@@ -123,7 +75,7 @@ def test_async_level_bounds_how_far_inference_runs_ahead(tiny_model_dir, tmp_pat
 def test_stale_groups_are_dropped(tiny_model_dir, tmp_path):
     # async_level 2 lets batch N start with policy N-3; max_off_policy_steps 1 keeps only policy N-1.
     config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=2, max_off_policy_steps=1, max_steps=4)
-    metrics = run(config, FakePool(None))
+    metrics = run_orchestrator(config, FakePool(None))
     assert sum(m.get("dropped/stale", 0) for m in metrics) > 0
     for m in metrics:
         assert m["staleness"] == {"1": 8}
@@ -131,7 +83,7 @@ def test_stale_groups_are_dropped(tiny_model_dir, tmp_path):
 
 def test_resume_restores_the_sampler(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, tiny_model_dir("qwen3"), max_steps=2)
-    run(config, FakePool(None))
+    run_orchestrator(config, FakePool(None))
     points = json.loads((config.run_dir / "orchestrator_state.json").read_text())["resume_points"]
     assert set(points) == {"1", "2"}
     assert points["2"]["sampler"]["draws"] > points["1"]["sampler"]["draws"]
@@ -142,7 +94,7 @@ def test_what_every_server_has_moved_past_is_pruned(tiny_model_dir, tmp_path):
     anything newer and the batches still to train stay. A server is never told to load a pruned policy."""
     config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=0, max_steps=6)
     pool = FakePool(None)
-    run(config, pool)
+    run_orchestrator(config, pool)
     served = pool.version
     assert served >= 5  # async 0: batch 6 waited for policy 5
     assert [version for _, version in pool.clients[0].loads] == sorted({v for _, v in pool.clients[0].loads})
@@ -154,5 +106,5 @@ def test_what_every_server_has_moved_past_is_pruned(tiny_model_dir, tmp_path):
 
 def test_pruning_keeps_batches_when_asked(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=0, max_steps=3, keep_batches=True)
-    run(config, FakePool(None))
+    run_orchestrator(config, FakePool(None))
     assert len(list((config.run_dir / "batches").glob("step-*.safetensors"))) == 3

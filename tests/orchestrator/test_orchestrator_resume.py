@@ -7,9 +7,9 @@ import asyncio
 import json
 
 import pytest
-from test_orchestrator import FakeAdmin, make_config, run
 
-from tandem.jsonl import read_records
+from support.jsonl import read_jsonl
+from support.orchestrator import FakeAdmin, make_config, run_orchestrator
 from tandem.orchestrator.main import Orchestrator
 from tandem.orchestrator.pool import Completion
 from tandem.orchestrator.tasks import DrawLedger, TaskSampler, load_sources
@@ -75,11 +75,11 @@ def test_groups_in_flight_at_a_kill_are_drawn_again_on_resume(tiny_model_dir, tm
     # (3 needs policy >= 1): when batch 2 is written, groups meant for batch 3 are in flight or waiting.
     publish(tmp_path / "run", 1, 2)
     first = make_config(tmp_path, model, async_level=1, max_steps=3, keep_batches=True)
-    run(first, SeededPool(), with_trainer=False)
+    run_orchestrator(first, SeededPool(), with_trainer=False)
     # The trainer's checkpoint is step 2: resume there, as `tandem rl --resume` does (batch 3 is removed).
     batch_path(first.run_dir / "batches", 3).unlink()
     resumed = make_config(tmp_path, model, async_level=1, max_steps=4, resume_step=2, keep_batches=True)
-    run(resumed, SeededPool(), with_trainer=False)
+    run_orchestrator(resumed, SeededPool(), with_trainer=False)
     seeds = trained_seeds(first.run_dir, range(1, 5))
     # Nothing lost, nothing twice: the trained draws are every draw with a signal up to the last one.
     assert seeds == [s for s in range(max(seeds) + 1) if s % 3], seeds
@@ -140,9 +140,9 @@ def test_rollouts_are_logged_as_text_and_cut_back_on_resume(tiny_model_dir, tmp_
     model = tiny_model_dir("qwen3")
     publish(tmp_path / "run", 1, 2)
     first = make_config(tmp_path, model, max_steps=3, log_samples=3, keep_batches=True)
-    run(first, SeededPool(), with_trainer=False)
+    run_orchestrator(first, SeededPool(), with_trainer=False)
     path = first.run_dir / "rollouts.jsonl"
-    rows = read_records(path)
+    rows = read_jsonl(path)
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     keys = {"step", "source", "task_id", "prompt", "completion", "reward", "advantage", "outcome", "version", "metrics"}
     assert all(set(r) == keys for r in rows)
@@ -158,9 +158,9 @@ def test_rollouts_are_logged_as_text_and_cut_back_on_resume(tiny_model_dir, tmp_
     assert all(any(r["advantage"] == pytest.approx(a, abs=1e-6) for a in trained) for r in rows[:3])
     batch_path(first.run_dir / "batches", 3).unlink()
     resumed = make_config(tmp_path, model, max_steps=3, log_samples=3, resume_step=2)
-    run(resumed, SeededPool(), with_trainer=False)
-    assert [r["step"] for r in read_records(path)] == [1, 1, 1, 2, 2, 2, 3, 3, 3]  # step 3 once
+    run_orchestrator(resumed, SeededPool(), with_trainer=False)
+    assert [r["step"] for r in read_jsonl(path)] == [1, 1, 1, 2, 2, 2, 3, 3, 3]  # step 3 once
     off = make_config(tmp_path / "off", model, max_steps=1, log_samples=0)
     publish(off.run_dir, 1)
-    run(off, SeededPool(), with_trainer=False)
+    run_orchestrator(off, SeededPool(), with_trainer=False)
     assert not (off.run_dir / "rollouts.jsonl").exists()

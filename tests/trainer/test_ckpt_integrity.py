@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from support.dist import run_ranks, train_sft
+from support.jsonl import read_metrics
 from tandem.trainer import ckpt
 from tandem.trainer.ckpt import (
     MANIFEST,
@@ -168,8 +170,6 @@ def _verify_on_rank(rank: int, world: int, path: str, damaged: str) -> None:
 
 def test_ranks_split_the_checksums_and_all_name_the_damaged_file(root):
     """Under torch.distributed each rank checksums every W-th file; the one that finds the damage tells all."""
-    from dist_support import run_ranks
-
     newest = root / "step-000003"
     names = sorted(json.loads((newest / MANIFEST).read_text())["files"])
     damaged = newest / names[-1]  # checked by rank (len(names) - 1) % 2 only
@@ -198,37 +198,26 @@ def test_rl_resume_takes_the_newest_intact_checkpoint_and_drops_what_came_after(
     assert policy_dir(run_dir / "policies", 2).exists() and not policy_dir(run_dir / "policies", 3).exists()
 
 
-def _train(rank: int, world: int, config: dict) -> None:
-    from tandem.config.sft import SftConfig
-    from tandem.trainer.sft import train
-
-    train(SftConfig.model_validate(config))
-
-
 @pytest.mark.slow
 def test_sft_resume_past_a_damaged_newest_checkpoint_continues_exactly(tiny_model_dir, tmp_path):
     """The SFT trainer resuming after its newest checkpoint lost a byte: it logs which file, resumes from the one
     before, and the steps it trains again give the same losses as the first time."""
-    from dist_support import run_ranks
-    from sft_runner import read_metrics
-
     config = {
         "model": {"name": str(tiny_model_dir("qwen3")), "dtype": "float32"}, "data": {"fake": True},
         "seq_len": 64, "batch_size": 4, "max_steps": 4, "optim": {"lr": 3e-3}, "output_dir": str(tmp_path),
         "run_name": "run", "ckpt": {"interval": 2, "keep": 2},
     }  # fmt: skip
-    run_ranks(1, _train, config)
+    run_ranks(1, train_sft, config)
     first = read_metrics(tmp_path / "run")
     damaged = tmp_path / "run" / "checkpoints" / "step-000004" / "model-00000-of-00001.safetensors"
     _flip_byte(damaged, -100)
-    run_ranks(1, _train, {**config, "resume": {"enabled": True}})
+    run_ranks(1, train_sft, {**config, "resume": {"enabled": True}})
     log = (tmp_path / "run" / "logs" / "sft.log").read_text()
     assert f"{damaged} fails its CRC-32 checksum" in log and "resuming from step 2" in log
     resumed = read_metrics(tmp_path / "run")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in first]
     verify_checkpoint(tmp_path / "run" / "checkpoints" / "step-000004")  # written again, whole
-
 
 
 def test_a_resume_removes_the_checkpoints_past_it_so_keep_spares_its_own(root):

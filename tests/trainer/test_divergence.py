@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
-from sft_runner import read_metrics, sft_command
 
+from support.jsonl import read_metrics
+from support.runs import tandem_sft
 from tandem.run import RunError
-from tandem.testing.progress import run_while_progressing
 from tandem.trainer.monitor import stop_if_diverged
 from tandem.trainer.parallel import World
 
@@ -35,7 +35,7 @@ def test_sft_whose_loss_goes_nan_exits_1_naming_the_step_and_exports_nothing(
         # Step 1's Adam update moves every weight by ~1e30, so step 2's forward overflows.
         "--optim.lr", "1e30", "--max-steps", "6", "--ckpt.interval", "1", "--ckpt.hf-interval", "1",
     ]  # fmt: skip
-    result = run_while_progressing(sft_command(*flags), watch=[tmp_path])
+    result = tandem_sft(*flags, check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     stopped = re.search(r"step (\d+): (loss|grad_norm) is (nan|inf|-inf)", result.stderr)

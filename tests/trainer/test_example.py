@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from sft_runner import read_metrics, run_sft
+import pytest
 
-from tandem.testing.progress import run_while_progressing
+from support.jsonl import read_metrics
+from support.paths import EXAMPLES
+from support.runs import run_to_end, tandem_sft
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reverse_text"
+EXAMPLE = EXAMPLES / "reverse_text"
 
 
+@pytest.mark.slow
 def test_reverse_text_sft_example_learns(tmp_path):
     data = tmp_path / "data"
-    prepared = run_while_progressing(
-        [sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], watch=[data]
-    )
-    assert prepared.returncode == 0, prepared.stderr[-3000:]
-    run_sft(
+    run_to_end([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], watch=[data])
+    tandem_sft(
         "@", str(EXAMPLE / "sft.toml"),
         "--model.name", str(data / "model"), "--data.path", str(data / "train.jsonl"),
         "--output-dir", str(tmp_path), "--max-steps", "60", "--scheduler.warmup-steps", "10",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_support import run_ranks
+
+from support.dist import run_ranks
 
 SEQ, ROWS_PER_RANK = 16, 2
 

@@ -13,17 +13,11 @@ import shutil
 
 import pytest
 import torch
-from dist_support import run_ranks
 from safetensors import safe_open
-from safetensors.torch import load_file
-from sft_runner import read_metrics
 
-
-def _train(rank: int, world: int, config: dict) -> None:
-    from tandem.config.sft import SftConfig
-    from tandem.trainer.sft import train
-
-    train(SftConfig.model_validate(config))
+from support.dist import run_ranks, train_sft
+from support.jsonl import read_metrics
+from support.runs import final_weights
 
 
 def _sft(model_dir, out, run_name, nproc=1, expert_parallel=1, resume=False):
@@ -32,11 +26,7 @@ def _sft(model_dir, out, run_name, nproc=1, expert_parallel=1, resume=False):
         "data": {"fake": True}, "seq_len": 64, "batch_size": 12, "max_steps": 4, "optim": {"lr": 3e-3},
         "output_dir": str(out), "run_name": run_name, "ckpt": {"interval": 2, "keep": 2}, "resume": {"enabled": resume},
     }  # fmt: skip
-    run_ranks(nproc, _train, config)
-
-
-def _weights(run_dir):
-    return load_file(run_dir / "hf" / "final" / "model.safetensors")
+    run_ranks(nproc, train_sft, config)
 
 
 def _assert_same_run(run_dir, reference, name):
@@ -45,11 +35,12 @@ def _assert_same_run(run_dir, reference, name):
     for ref, got in zip(read_metrics(reference), metrics, strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (name, got["step"])
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, got["step"])
-    expected = _weights(reference)
-    for key, tensor in _weights(run_dir).items():
+    expected = final_weights(reference)
+    for key, tensor in final_weights(run_dir).items():
         torch.testing.assert_close(tensor, expected[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_two_expert_parallel_ranks_resumes_on_one_three_and_four(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen3_moe")
     _sft(model_dir, tmp_path, "one")

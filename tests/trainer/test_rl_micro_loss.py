@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from test_rl_trainer import SEQ_LEN, make_samples
 
+from support.rl_samples import SEQ_LEN, make_samples
 from tandem.config.orchestrator import MAX_REPLAY_KEPT
 from tandem.config.trainer import TrainerConfig
 from tandem.models import load_model

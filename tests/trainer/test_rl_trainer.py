@@ -8,46 +8,15 @@ import sys
 import pytest
 import torch
 
+from support.jsonl import read_metrics
+from support.rl_samples import SEQ_LEN, make_samples
+from support.runs import run_to_end, tandem_command
 from tandem.config.trainer import TrainerConfig
 from tandem.models import load_model
-from tandem.orchestrator.advantages import group_advantages, loss_weights
-from tandem.orchestrator.batching import TrainSample, pack_batch
-from tandem.testing.progress import run_while_progressing
+from tandem.orchestrator.batching import pack_batch
 from tandem.trainer.rl import micro_batch_loss
 from tandem.transport.batches import read_batch, write_batch
 from tandem.transport.policies import COMPLETE
-
-SEQ_LEN = 64
-
-
-def make_samples(aggregation: str, seed: int = 0) -> list[TrainSample]:
-    """3 prompts x 4 rollouts of varied lengths, rewards in [0, 1], GRPO advantages, loss weights."""
-    rng = random.Random(seed)
-    samples, prompt_of = [], []
-    for prompt in range(3):
-        prompt_ids = [rng.randrange(3, 500) for _ in range(rng.randint(4, 10))]
-        group = []
-        for _ in range(4):
-            n = rng.randint(3, 20)
-            group.append(([rng.randrange(3, 500) for _ in range(n)], rng.random()))
-        advantages = group_advantages([r for _, r in group], [len(c) for c, _ in group])
-        for (completion, _), advantage in zip(group, advantages, strict=True):
-            samples.append(
-                TrainSample(
-                    prompt_ids=prompt_ids,
-                    completion_ids=completion,
-                    logprobs=[-rng.uniform(4, 8) for _ in completion],
-                    advantage=advantage,
-                    weight=0.0,
-                    temperature=1.0,
-                    versions=[0] * len(completion),
-                )
-            )
-            prompt_of.append(prompt)
-    weights = loss_weights([len(s.completion_ids) for s in samples], prompt_of, aggregation)
-    for sample, weight in zip(samples, weights, strict=True):
-        sample.weight = weight
-    return samples
 
 
 def gradients(model_dir, micros, config) -> dict[str, torch.Tensor]:
@@ -115,25 +84,23 @@ def run_trainer(model_dir, out, name, nproc, batches):
         "--output-dir", str(out), "--run-name", name, "--optim.lr", "1e-3", "--batch-timeout-s", "60",
     ]  # fmt: skip
     if nproc == 1:
-        command = [sys.executable, "-m", "tandem", "trainer", *flags]
+        command = tandem_command("trainer", *flags)
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         command += ["-m", "tandem.trainer.rl", *flags]
-    result = run_while_progressing(command, watch=[run_dir])  # torchrun's ranks die with it if it stalls
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_to_end(command, watch=[run_dir])  # torchrun's ranks die with it if it stalls
     return run_dir
 
 
+@pytest.mark.slow
 def test_trainer_on_two_gloo_ranks_matches_one_and_publishes_policies(tiny_model_dir, tmp_path):
-    import json
-
     from safetensors.torch import load_file
 
     model_dir = tiny_model_dir("qwen3")
     steps = [make_samples("token_mean", seed) for seed in (1, 2)]
     one = run_trainer(model_dir, tmp_path, "one", 1, [pack_batch(s, SEQ_LEN, 1, 1) for s in steps])
     two = run_trainer(model_dir, tmp_path, "two", 2, [pack_batch(s, SEQ_LEN, 2, 1) for s in steps])
-    metrics = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)]
+    metrics = [read_metrics(run) for run in (one, two)]
     for a, b in zip(*metrics, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)

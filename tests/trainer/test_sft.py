@@ -8,32 +8,21 @@ import subprocess
 
 import pytest
 import torch
-from sft_runner import read_metrics, run_sft, sft_command
 
-from tandem.testing.progress import run_while_progressing, tree_state, wait_for
-
-
-def common_flags(model_dir, data, out, run_name):
-    return [
-        "--model", str(model_dir), "--model.dtype", "float32", "--data.path", str(data), "--seq-len", "256",
-        "--batch-size", "4", "--optim.lr", "3e-3", "--output-dir", str(out), "--run-name", run_name, "--seed", "3",
-    ]  # fmt: skip
+from support.jsonl import read_metrics
+from support.runs import final_weights, sft_flags, tandem_command, tandem_sft
+from tandem.testing.progress import tree_state, wait_for
 
 
-def final_weights(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(run_dir / "hf" / "final" / "model.safetensors")
-
-
+@pytest.mark.slow
 def test_loss_and_gradients_do_not_depend_on_how_the_batch_is_split(tiny_model_dir, reverse_text_jsonl, tmp_path):
     """1 rank x 1 micro-batch, 1 rank x 2 accumulation steps, 2 FSDP2 ranks, 2 ranks x 2 steps: same numbers."""
     model_dir = tiny_model_dir("qwen3")
     splits = {"1x4": ("1", "4"), "1x2x2": ("1", "2"), "2x2": ("2", "2"), "2x1x2": ("2", "1")}
     runs = {}
     for name, (nproc, micro) in splits.items():
-        flags = common_flags(model_dir, reverse_text_jsonl, tmp_path, name)
-        run_sft(*flags, "--max-steps", "3", "--deploy.nproc", nproc, "--micro-batch-size", micro)
+        flags = sft_flags(model_dir, reverse_text_jsonl, tmp_path, name)
+        tandem_sft(*flags, "--max-steps", "3", "--deploy.nproc", nproc, "--micro-batch-size", micro)
         runs[name] = tmp_path / name
     reference = read_metrics(runs["1x4"])
     assert len(reference) == 3
@@ -50,14 +39,15 @@ def test_loss_and_gradients_do_not_depend_on_how_the_batch_is_split(tiny_model_d
             torch.testing.assert_close(tensor, reference_weights[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_continues_exactly(tiny_model_dir, reverse_text_jsonl, tmp_path):
     model_dir = tiny_model_dir("llama")
     steps = ["--max-steps", "16", "--ckpt.interval", "2", "--ckpt.keep", "2"]
-    run_sft(*common_flags(model_dir, reverse_text_jsonl, tmp_path, "straight"), *steps)
+    tandem_sft(*sft_flags(model_dir, reverse_text_jsonl, tmp_path, "straight"), *steps)
     expected = [m["loss"] for m in read_metrics(tmp_path / "straight")]
 
-    flags = [*common_flags(model_dir, reverse_text_jsonl, tmp_path, "killed"), *steps]
-    process = subprocess.Popen(sft_command(*flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flags = [*sft_flags(model_dir, reverse_text_jsonl, tmp_path, "killed"), *steps]
+    process = subprocess.Popen(tandem_command("sft", *flags), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = tmp_path / "killed" / "checkpoints"
     try:  # as long as the run keeps writing (however slowly), wait for its step-4 checkpoint
         wait_for(
@@ -72,7 +62,7 @@ def test_resume_after_sigkill_continues_exactly(tiny_model_dir, reverse_text_jso
     done_before_kill = len(read_metrics(tmp_path / "killed"))
     assert done_before_kill < 16, "killed too late to test anything"
 
-    run_sft(*flags, "--resume")
+    tandem_sft(*flags, "--resume")
     resumed = read_metrics(tmp_path / "killed")
     assert [m["step"] for m in resumed] == list(range(1, 17))  # every step once, none twice
     assert [m["loss"] for m in resumed] == pytest.approx(expected, rel=1e-6)
@@ -82,8 +72,8 @@ def test_resume_after_sigkill_continues_exactly(tiny_model_dir, reverse_text_jso
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, reverse_text_jsonl, tmp_path):
-    flags = common_flags(tiny_model_dir("qwen3"), reverse_text_jsonl, tmp_path, "fresh")
-    result = run_while_progressing(sft_command(*flags, "--resume"))
+    flags = sft_flags(tiny_model_dir("qwen3"), reverse_text_jsonl, tmp_path, "fresh")
+    result = tandem_sft(*flags, "--resume", check=False)
     assert result.returncode == 2
     assert "nothing to resume" in result.stderr and "Traceback" not in result.stderr
 
@@ -95,7 +85,7 @@ def test_hf_export_loads_in_transformers_with_the_trained_weights(tiny_model_dir
 
     from tandem.models import load_model
 
-    run_sft(*common_flags(tiny_model_dir(arch), reverse_text_jsonl, tmp_path, arch), "--max-steps", "2")
+    tandem_sft(*sft_flags(tiny_model_dir(arch), reverse_text_jsonl, tmp_path, arch), "--max-steps", "2")
     run_dir = tmp_path / arch
     reference = AutoModelForCausalLM.from_pretrained(run_dir / "hf" / "final", dtype=torch.float32)
     trained = load_model(tiny_model_dir(arch), dtype=torch.float32)  # same shapes; weights replaced below
@@ -111,6 +101,7 @@ def test_hf_export_loads_in_transformers_with_the_trained_weights(tiny_model_dir
         assert not torch.allclose(before(ids), expected, atol=1e-4)  # training changed the model
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_and_compile_do_not_change_the_numbers(tiny_model_dir, reverse_text_jsonl, tmp_path):
     model_dir = tiny_model_dir("qwen3")
     variants = {
@@ -121,7 +112,7 @@ def test_activation_checkpointing_and_compile_do_not_change_the_numbers(tiny_mod
     }
     losses = {}
     for name, flags in variants.items():
-        run_sft(*common_flags(model_dir, reverse_text_jsonl, tmp_path, name), "--max-steps", "2", *flags)
+        tandem_sft(*sft_flags(model_dir, reverse_text_jsonl, tmp_path, name), "--max-steps", "2", *flags)
         losses[name] = [m["loss"] for m in read_metrics(tmp_path / name)]
     for name, values in losses.items():
         assert values == pytest.approx(losses["plain"], rel=1e-5), name

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sft_runner import read_metrics, run_sft
-from test_sft import common_flags, final_weights
+
+from support.jsonl import read_metrics
+from support.runs import final_weights, sft_flags, tandem_sft
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_plain_module_trains_like_fsdp2(tiny_model_dir, reverse_text_jsonl, tmp_path):
@@ -16,7 +19,7 @@ def test_a_plain_module_trains_like_fsdp2(tiny_model_dir, reverse_text_jsonl, tm
         "plain": ["--speed.no-fsdp-single-process"],
         "plain-bf16": ["--speed.no-fsdp-single-process", "--model.dtype", "bfloat16"],
     }.items():
-        run_sft(*common_flags(model_dir, reverse_text_jsonl, tmp_path, name), "--max-steps", "3", *flags)
+        tandem_sft(*sft_flags(model_dir, reverse_text_jsonl, tmp_path, name), "--max-steps", "3", *flags)
         runs[name] = read_metrics(tmp_path / name)
     for ref, got in zip(runs["fsdp"], runs["plain"], strict=True):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)

@@ -9,10 +9,10 @@ import os
 import re
 
 import pytest
-from dist_support import run_ranks
-from sft_runner import read_metrics
-from test_rl_trainer import SEQ_LEN, make_samples
 
+from support.dist import run_ranks
+from support.jsonl import read_metrics
+from support.rl_samples import SEQ_LEN, make_samples
 from tandem.orchestrator.batching import pack_batch
 from tandem.transport.batches import write_batch
 

@@ -10,8 +10,8 @@ takes the RMSNorm before a projection and the SwiGLU after it into the same kern
 launched, on Hopper, as a programmatic dependent of the one before (its weights load while that one ends).
 A step of several rows runs qk-norm + RoPE + cache write, attention and the split combine as one kernel
 (`kernels.decode.decode_attention`); a step on the one-row GEMVs keeps them as three, which its programmatic
-dependent launches overlap. Measured on the H200 (`benchmarks/decode_profile.py --steps triton triton-attn1
-triton-attn3`): the one kernel made a step 2-11% faster at batch 4 and 32, and 4-6% slower at batch 1.
+dependent launches overlap: at one row the single kernel measured slower, at several rows faster
+(`benchmarks/decode_profile.py --steps triton triton-attn1 triton-attn3`; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from tandem.models import CausalLM, DecoderBlock, KVCache
 from tandem.models.layers.mlp import GatedMLP
 
-# cuBLAS picks a far slower kernel for a one-row product on some shapes (Qwen3-0.6B's o_proj, 1024 x 2048:
-# 12.3 us for one row, 5.0 us for eight, on the H200), so the attention output feeding it has at least 8 rows.
+# cuBLAS picks a far slower kernel for a one-row product on some shapes (Qwen3-0.6B's o_proj, 1024 x 2048, than
+# for eight rows; benchmarks/RESULTS.md), so the attention output feeding it has at least 8 rows.
 O_PROJ_MIN_ROWS = 8
 
 

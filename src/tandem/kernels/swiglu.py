@@ -2,9 +2,9 @@
 
 The MLP computes gate and up as one `[T, 2I]` GEMM. Compiled, the activation's backward becomes one pointwise
 kernel over the `[T, 2I]` gradient that picks, column by column, the gate or the up formula (the `cat` of the
-two halves): on the H200 that kernel took 13.9 ms of a Qwen3-1.7B step, twice what torchtitan (separate gate
-and up projections) spends on the same activation. Here each program reads its gate, up and upstream
-gradient once and writes both halves of the gradient: the bytes the activation needs and no more.
+two halves), which spends far longer on the activation than separate gate and up projections do (torchtitan's;
+the profile is in benchmarks/RESULTS.md). Here each program reads its gate, up and upstream gradient once and
+writes both halves of the gradient: the bytes the activation needs and no more.
 
 Numerics are eager PyTorch's for `F.silu(gate) * up` and its autograd: fp32 math, rounded to the activation
 dtype where eager rounds (SiLU, the product; `dh * up` and `dh * silu` in the backward, then SiLU's derivative

@@ -22,8 +22,8 @@ from .logprobs import DEFAULT_CHUNK_SIZE, IGNORE_INDEX
 def _nll_and_grad_(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """NLL `[rows]` (fp32, 0 where not `valid`); `logits` is overwritten with the NLL's gradient with respect to
     it. Compiled (CUDA), the gradient is stored over the logits, so a chunk's logits and their gradient never take
-    memory side by side (that was the step's peak, measured by benchmarks/memory_sft.py: 4.6 GiB for Qwen3-1.7B's
-    16,384 tokens); eager, fp32 temporaries of the chunk's size remain."""
+    memory side by side (together they were the dense SFT step's memory peak: benchmarks/memory_sft.py,
+    benchmarks/RESULTS.md); eager, fp32 temporaries of the chunk's size remain."""
     z = logits.float()
     lse = z.logsumexp(dim=-1, keepdim=True)
     nll = (lse - z.gather(1, targets[:, None])).squeeze(1) * valid

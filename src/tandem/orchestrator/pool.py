@@ -1,9 +1,9 @@
 """The inference servers as the orchestrator sees them: token-in generation, least-loaded choice, idle time.
 
 Any server that speaks the built-in engine's `/generate` contract works (docs/inference.md), so the built-in
-engine and vLLM look the same from here. Rollouts go as msgpack both ways: 16 samples x 256 ids, logprobs and
-versions cost about a third of JSON's encode, parse and validation. Weight updates are the followers' of
-`tandem.transport.weights`, which set `version` and `loaded`.
+engine and vLLM look the same from here. Rollouts go as msgpack both ways: a group's token ids, logprobs and
+versions are far cheaper to encode, parse and validate than as JSON (benchmarks/RESULTS.md). Weight updates
+are the followers' of `tandem.transport.weights`, which set `version` and `loaded`.
 """
 
 from __future__ import annotations

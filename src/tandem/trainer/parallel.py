@@ -44,8 +44,8 @@ def init_distributed(timeout_s: float = 600.0) -> World:
     if use_cuda:
         torch.cuda.set_device(device)
     else:
-        # Adam updates drive tiny weights into denormal floats, which are ~50x slower on x86 CPUs:
-        # a 24-step CPU run went from 0.04 s to 1.8 s per step. Flushing them to zero costs nothing.
+        # Adam updates drive tiny weights into denormal floats, which x86 CPUs compute far more slowly
+        # (benchmarks/RESULTS.md). Flushing them to zero costs nothing.
         torch.set_flush_denormal(True)
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"

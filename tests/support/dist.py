@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import multiprocessing.forkserver
 import os
-import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
+
+from support.servers import free_port
 
 multiprocessing.forkserver.set_forkserver_preload(["torch", "tandem.trainer.sft", "tandem.trainer.rl"])
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
@@ -36,6 +33,15 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args) -> None:
-    """`fn(rank, world, *args)` on `world` processes in one gloo group; a rank's exception fails the caller."""
+def run_ranks(world: int, fn: Callable[..., None], *args: Any) -> None:
+    """`fn(rank, world, *args)` on `world` processes in one gloo group; a rank's exception fails the caller.
+    `fn` must be importable by name (a module-level function), since the ranks unpickle it."""
     mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="forkserver")
+
+
+def train_sft(rank: int, world: int, config: dict[str, Any]) -> None:
+    """A rank of `tandem sft`: the SFT trainer's `train()` on `config` (an `SftConfig` as a dict), for `run_ranks`."""
+    from tandem.config.sft import SftConfig
+    from tandem.trainer.sft import train
+
+    train(SftConfig.model_validate(config))

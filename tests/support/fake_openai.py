@@ -1,27 +1,24 @@
-"""A deterministic OpenAI-compatible server for eval tests, run by uvicorn in a thread on 127.0.0.1.
+"""A deterministic OpenAI-compatible server for eval and dashboard tests, served on a loopback thread.
 
-It answers `/v1/chat/completions` with `answer(messages)` (cut to `max_tokens`
-words, finish_reason "length"), and can be told to sleep (`delay`), to fail the
-next requests with a status (`fail_next`), to fail every request
-(`status_always`), to answer `/v1/models` with an error status (`models_status`), and to report a queue
+It answers `/v1/chat/completions` with `answer(messages)` (cut to `max_tokens` words, finish_reason "length"),
+and can be told to sleep (`delay`), to fail the next requests with a status (`fail_next`), to fail every
+request (`status_always`), to answer `/v1/models` with an error status (`models_status`), and to report a queue
 depth header (`queue_depth`: a number, or a callable giving each response's).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tandem.testing.progress import wait_for
+from support.servers import AppThread
 from tandem.wire import QUEUE_DEPTH_HEADER
 
 Messages = list[dict[str, Any]]
@@ -31,7 +28,9 @@ def echo(messages: Messages) -> str:
     return str(messages[-1]["content"])
 
 
-class FakeServer:
+class FakeServer(AppThread):
+    """Serving from construction until `stop()`; `requests` holds every chat request's body, in order."""
+
     model = "fake-model"
 
     def __init__(self, answer: Callable[[Messages], str] = echo) -> None:
@@ -43,36 +42,16 @@ class FakeServer:
         self.requests: list[dict[str, Any]] = []
         self._failures: list[int] = []
         self._lock = threading.Lock()
-        app = Starlette(
-            routes=[
-                Route("/health", lambda request: Response("ok")),
-                Route("/v1/models", self._models),
-                Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            ]
-        )
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+        routes = [
+            Route("/health", lambda request: Response("ok")),
+            Route("/v1/models", self._models),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+        ]
+        super().__init__(Starlette(routes=routes))
 
     def fail_next(self, count: int, status: int = 500) -> None:
         with self._lock:
             self._failures.extend([status] * count)
-
-    def start(self) -> FakeServer:
-        self._thread.start()
-        # No clock: starting takes long only on a loaded machine; a server that failed to start has ended.
-        wait_for(lambda: self._server.started or not self._thread.is_alive(), poll_s=0.01)
-        if not self._server.started:
-            raise RuntimeError("fake server did not start (its thread ended)")
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._socket.close()
 
     async def _models(self, request: Request) -> Response:
         if self.models_status is not None:

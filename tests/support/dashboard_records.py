@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-
-def write_jsonl(path: Path, records: list[dict], tail: str = "") -> None:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records) + tail)
-
 
 def trace(index: int, source: str, outcome: str, reward: float) -> dict:
     return {
