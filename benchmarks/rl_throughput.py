@@ -173,7 +173,9 @@ def execute(command: list[str], log: Path, timeout: float, env: dict[str, str], 
 def records(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from tandem.jsonl import read_records
+
+    return read_records(path)
 
 
 def measured(rows: list[dict[str, Any]], s: Setting) -> list[dict[str, Any]]:

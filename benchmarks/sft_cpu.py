@@ -10,12 +10,13 @@ not be slower per real token.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tandem.jsonl import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +30,7 @@ def run(out: Path, data: Path, pack: bool, steps: int) -> dict:
         "--data.pack" if pack else "--data.no-pack",
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True)
-    records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()][1:]
+    records = read_records(out / name / "metrics.jsonl")[1:]
     tokens = sum(r["tokens"] for r in records)
     seconds = sum(r["step_time_s"] for r in records)
     return {

@@ -34,6 +34,8 @@ from pathlib import Path
 from bench_shapes import SHAPES
 from gpu_kernels import by_kind, kernel_times
 
+from tandem.jsonl import read_records
+
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_FLOPS = 989e12
 RECIPES = {
@@ -116,9 +118,7 @@ def run_tandem(run: Run, work: Path, warmup: int, timeout: float) -> Result:
     out = _execute(command, timeout)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
-    records = _measured(
-        [json.loads(line) for line in (work / run.name / "metrics.jsonl").read_text().splitlines()], warmup
-    )
+    records = _measured(read_records(work / run.name / "metrics.jsonl"), warmup)
     tokens, seconds = sum(r["tokens"] for r in records), sum(r["step_time_s"] for r in records)
     mfu = records[-1]["mfu"] or 0.0
     result = Result(run, tokens / seconds, max(r["peak_reserved_gib"] or 0.0 for r in records))

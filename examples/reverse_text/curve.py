@@ -12,10 +12,11 @@ measured, never numbers typed by hand.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 from typing import Any
+
+from tandem.jsonl import read_records
 
 START, END = "<!-- rl-curve -->", "<!-- /rl-curve -->"
 
@@ -25,7 +26,7 @@ def read(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     path = run_dir / "orchestrator_metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: run the RL example first (tandem rl @ examples/reverse_text/rl.toml)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_records(path)
     evals = [r for r in rows if r.get("kind") == "eval"]
     if not evals:
         raise SystemExit(f"{path} has no online eval records: set [orchestrator.eval] interval (and at_start)")
