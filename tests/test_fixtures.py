@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from tandem.testing import ARCHITECTURES, SPECIAL_TOKENS
+from tandem.testing import SPECIAL_TOKENS, TINY_ARCHITECTURES
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_tiny_model_loads_in_transformers(tiny_model_dir, arch):
     from transformers import AutoModelForCausalLM
 

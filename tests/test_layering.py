@@ -62,7 +62,7 @@ ALLOWED: dict[str, tuple[str, ...] | str] = {
 
 EXCEPTIONS: dict[tuple[str, str], str] = {
     ("inference", "envs"): "the OpenAI routes parse tool calls with envs.tool_parsers, the one parser per model family",
-    ("orchestrator", "inference"): "the token-in wire contract (inference.protocol, inference.masks), torch-free",
+    ("orchestrator", "inference"): "the token-in wire contract (inference.protocol, inference.kept_ids), torch-free",
     ("orchestrator", "eval"): "online evals run eval's runner and summary as they are, the same code as `tandem eval`",
     ("dashboard", "eval"): "eval results are shown through eval's own trace reader and summary",
 }

@@ -117,12 +117,12 @@ def test_top_k_top_p_rollouts_replay_the_same_distribution_in_the_trainer(tiny_m
     flags = ["--max-steps", "2", "--orchestrator.async-level", "0", "--orchestrator.no-filter-zero-advantage"]
     flags += ["--orchestrator.keep-batches"]  # batch 1 is read back below
     tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", str(sources), *flags)
-    from tandem.transport.batches import read_batch
+    from tandem.transport.batches import KEPT_COUNTS, read_batch
 
     micros, _ = read_batch(tmp_path / "rl" / "batches", 1, 0, 1)
-    counts = micros[0]["kept_counts"][micros[0]["target_ids"] != -100]  # the kept sets, stored as CSR
-    assert ((counts >= 1) & (counts <= 20)).all()  # every token's top-k set
-    # p (trainer, renormalised over the kept set) and q (engine) are the same distribution: KL ~ 0
+    counts = micros[0][KEPT_COUNTS][micros[0]["target_ids"] != -100]  # the kept ids, stored as CSR
+    assert ((counts >= 1) & (counts <= 20)).all()  # every token's top-k ids
+    # p (trainer, renormalised over the kept ids) and q (engine) are the same distribution: KL ~ 0
     assert all(abs(r["mismatch_kl"]) < 1e-6 for r in read_metrics(tmp_path / "rl"))
 
 

@@ -26,7 +26,8 @@ from tandem.config.eval import RetryConfig
 logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO, drowning a run's log
 
 
-ErrorKind = Literal["connection", "timeout", "5xx", "429", "status", "protocol"]
+RequestErrorKind = Literal["connection", "timeout", "5xx", "429", "status", "protocol"]
+"""Why a request failed, after its retries (`RequestError.kind`)."""
 OVERLOAD_KINDS = frozenset({"connection", "timeout", "5xx", "429"})
 """Failures that mean the server is struggling, as opposed to a bad request ("status") or a bad answer."""
 
@@ -48,7 +49,7 @@ class RequestError(Exception):
     """A request that failed for good, after any retries; `kind` says how."""
 
     def __init__(
-        self, kind: ErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None
+        self, kind: RequestErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None
     ) -> None:
         super().__init__(message)
         self.kind = kind
@@ -183,7 +184,7 @@ class OpenAIClient:
         if response.status_code < 400:
             return response
         status = response.status_code
-        kind: ErrorKind = "429" if status == 429 else "5xx" if status >= 500 else "status"
+        kind: RequestErrorKind = "429" if status == 429 else "5xx" if status >= 500 else "status"
         raise RequestError(
             kind,
             f"{method} {path}: HTTP {status}: {response.text[:200]}",

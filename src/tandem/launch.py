@@ -45,7 +45,9 @@ STEP_FILES = ("metrics.jsonl", *PER_STEP_FILES)  # the trainer's and the orchest
 
 
 @dataclass
-class Child:
+class LaunchedChild:
+    """A process the launcher started and supervises: its name in logs, the process, and its log file."""
+
     name: str
     process: subprocess.Popen
     log: Path
@@ -81,7 +83,7 @@ def child_envs(deploy: RlDeployConfig, environ: dict[str, str] | None = None) ->
     return envs
 
 
-def _start(name: str, command: list[str], run_dir: Path, env: dict[str, str]) -> Child:
+def _start(name: str, command: list[str], run_dir: Path, env: dict[str, str]) -> LaunchedChild:
     log = run_dir / "logs" / f"{name}.stderr.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     handle = log.open("w")
@@ -94,7 +96,7 @@ def _start(name: str, command: list[str], run_dir: Path, env: dict[str, str]) ->
         preexec_fn=_die_with_parent,
     )
     logger.info("started %s (pid %d): %s", name, process.pid, " ".join(command))
-    return Child(name, process, log)
+    return LaunchedChild(name, process, log)
 
 
 def _die_with_parent() -> None:
@@ -103,7 +105,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _stop(children: list[Child], timeout_s: float = 30.0) -> None:
+def _stop(children: list[LaunchedChild], timeout_s: float = 30.0) -> None:
     for child in children:
         if child.process.poll() is None:
             os.killpg(child.process.pid, signal.SIGTERM)
@@ -210,7 +212,7 @@ def _command(name: str, section: RunConfig, config: RlConfig) -> list[str]:
     return [*python, "tandem", section.command, "@", str(file)]
 
 
-def _wait_for_server(path: Path, server: Child, timeout_s: float) -> str:
+def _wait_for_server(path: Path, server: LaunchedChild, timeout_s: float) -> str:
     """The URL the inference server announces in `server.json` once it listens (it may pick its port)."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -223,7 +225,7 @@ def _wait_for_server(path: Path, server: Child, timeout_s: float) -> str:
 
 
 class ChildFailed(RuntimeError):
-    def __init__(self, child: Child):
+    def __init__(self, child: LaunchedChild):
         self.child = child
         super().__init__(child.name)
 
@@ -243,7 +245,7 @@ def run_rl(config: RlConfig) -> int:
     for stale in (*(s.run_dir / "server.json" for s in servers.values()), announce_path(config.run_dir)):
         stale.unlink(missing_ok=True)  # left by an earlier, killed run
     envs = child_envs(config.deploy)
-    children: list[Child] = []
+    children: list[LaunchedChild] = []
     progress = None
     try:
         for name, section in servers.items():

@@ -60,7 +60,7 @@ OPTIMIZER_TEMP_BYTES = 4
 """Per parameter: foreach AdamW's step forms sqrt(exp_avg_sq) of every parameter at once."""
 LOGIT_TEMPORARIES = 4
 """fp32 `[chunk, vocab]` tensors the chunked loss holds at once in backward (logits, probabilities, their
-gradient, and the kept-set mask)."""
+gradient, and the kept mask)."""
 FUSED_LOGIT_TEMPORARIES = 2
 """`[chunk, vocab]` tensors in the compute dtype the fused policy loss holds at once: the chunk's logits, which
 its gradient overwrites in place, and the compiled softmax kernels' outputs."""
@@ -227,7 +227,8 @@ def server_need(config: RlConfig) -> ServerNeed:
     )
 
 
-def _gib(size: float) -> str:
+def _gib_text(size: float) -> str:
+    """Bytes as GiB to one decimal, for the sentences that explain a split."""
     return f"{size / GIB:.1f}"
 
 
@@ -250,7 +251,7 @@ def plan_shared_gpu(config: RlConfig, total_bytes: int, gpu_name: str = "") -> t
         user_share = None
 
     trainer_text = (
-        f"trainer {_gib(trainer)} GiB (deploy.trainer_memory_gib; the estimate is {_gib(estimate.total)})"
+        f"trainer {_gib_text(trainer)} GiB (deploy.trainer_memory_gib; the estimate is {_gib_text(estimate.total)})"
         if fixed_trainer
         else _trainer_text(estimate)
     )
@@ -277,21 +278,21 @@ def plan_shared_gpu(config: RlConfig, total_bytes: int, gpu_name: str = "") -> t
     free = total_bytes - trainer - servers * share
     each = f"{servers} inference servers, each" if servers > 1 else "inference"
     chosen = " (set)" if user_share is not None else ""
-    kv_text = f"KV cache {_gib(blocks * server.block)} GiB = {blocks} blocks of {inference.block_size} tokens"
+    kv_text = f"KV cache {_gib_text(blocks * server.block)} GiB = {blocks} blocks of {inference.block_size} tokens"
     if inference.engine == "vllm":
-        kv_text = f"KV cache about {_gib(blocks * server.block)} GiB, sized by vLLM"
+        kv_text = f"KV cache about {_gib_text(blocks * server.block)} GiB, sized by vLLM"
     message = (
         f"{_gpu_text(gpu_name, total_bytes)} shared: {trainer_text}; {each} gpu_memory_utilization "
-        f"{fraction:g}{chosen} = {_gib(share)} GiB (weights {_gib(server.weights)}, step temporaries "
-        f"{_gib(server.activations)}, CUDA context {_gib(server.context)}, {kv_text}, room for "
+        f"{fraction:g}{chosen} = {_gib_text(share)} GiB (weights {_gib_text(server.weights)}, step temporaries "
+        f"{_gib_text(server.activations)}, CUDA context {_gib_text(server.context)}, {kv_text}, room for "
         f"{min(blocks // blocks_per_seq, inference.max_running)} of max_running {inference.max_running} sequences of "
-        f"seq_len {inference.seq_len}); {_gib(free)} GiB left free"
+        f"seq_len {inference.seq_len}); {_gib_text(free)} GiB left free"
     )
     return planned, message
 
 
 def _gpu_text(name: str, total: int) -> str:
-    return f"GPU 0 ({name + ', ' if name else ''}{_gib(total)} GiB)"
+    return f"GPU 0 ({name + ', ' if name else ''}{_gib_text(total)} GiB)"
 
 
 def _round_down(fraction: float) -> float:
@@ -299,11 +300,15 @@ def _round_down(fraction: float) -> float:
 
 
 def _trainer_text(need: TrainerNeed) -> str:
-    parts = [f"weights+grads+AdamW {_gib(need.states)}", f"bf16 copies {_gib(need.compute_copies)}"]
+    parts = [f"weights+grads+AdamW {_gib_text(need.states)}", f"bf16 copies {_gib_text(need.compute_copies)}"]
     if need.handoff:
-        parts.append(f"hand-off buffer {_gib(need.handoff)}")
-    parts += [f"activations {_gib(need.activations)}", f"loss {_gib(need.loss)}", f"slack {_gib(need.slack)}"]
-    return f"trainer ~{_gib(need.total)} GiB ({', '.join(parts)})"
+        parts.append(f"hand-off buffer {_gib_text(need.handoff)}")
+    parts += [
+        f"activations {_gib_text(need.activations)}",
+        f"loss {_gib_text(need.loss)}",
+        f"slack {_gib_text(need.slack)}",
+    ]
+    return f"trainer ~{_gib_text(need.total)} GiB ({', '.join(parts)})"
 
 
 def _no_fit(
@@ -321,8 +326,8 @@ def _no_fit(
     least = server.fixed + least_blocks * server.block
     head = (
         f"{_gpu_text(gpu_name, total)} cannot hold both the trainer and inference: {trainer_text}; "
-        f"{f'each of {servers} inference servers' if servers > 1 else 'inference'} needs at least {_gib(least)} GiB (weights {_gib(server.weights)}, step "
-        f"temporaries {_gib(server.activations)}, CUDA context {_gib(server.context)}, and a KV cache for one "
+        f"{f'each of {servers} inference servers' if servers > 1 else 'inference'} needs at least {_gib_text(least)} GiB (weights {_gib_text(server.weights)}, step "
+        f"temporaries {_gib_text(server.activations)}, CUDA context {_gib_text(server.context)}, and a KV cache for one "
         f"seq_len {config.inference.seq_len} sequence, {least_blocks} blocks)"
     )
     if source:

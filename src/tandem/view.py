@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from tandem.jsonl import JsonlFollower
-from tandem.orchestrator.main import METRICS_FILE
+from tandem.orchestrator.main import ORCHESTRATOR_METRICS_FILE
 from tandem.run import step_progress
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ class RlProgress:
         self.start_step = start_step
         self.shown = start_step  # the last step a line was logged for
         self.trainer = JsonlFollower(config.run_dir / "metrics.jsonl")
-        self.orchestrator = JsonlFollower(config.run_dir / METRICS_FILE)
+        self.orchestrator = JsonlFollower(config.run_dir / ORCHESTRATOR_METRICS_FILE)
         self.rollouts: dict[int, dict[str, Any]] = {}
         self.progress, self.task = step_progress("rl", config.max_steps, start_step)
 

@@ -12,13 +12,13 @@ import torch
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
 from tandem.inference.decode import decode_inputs, decode_step
-from tandem.inference.masks import kept_ids_rows
+from tandem.inference.kept_ids import decode_kept_matrix
 from tandem.inference.outputs import Collector, RequestUpdate
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.weights import read_weights
 from tandem.models import IGNORE_INDEX, KVCache, load_model
-from tandem.testing.tiny import ARCHITECTURES
+from tandem.testing.tiny import TINY_ARCHITECTURES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
@@ -29,7 +29,7 @@ def _prompts(count: int, vocab: int, lengths=(3, 21), seed: int = 0) -> list[lis
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_greedy_matches_transformers_generate(arch, model_dir, make_engine):
     from transformers import AutoModelForCausalLM
 
@@ -66,7 +66,7 @@ def test_a_prompt_alone_and_in_a_batch_of_16_gives_the_same_greedy_tokens(make_e
     ids=["top-k+top-p", "min-p", "whole-vocab", "greedy"],
 )
 def test_logprobs_match_the_trainer_recomputation(params, model_dir, make_engine):
-    """Teacher-forced forward of a separately loaded copy, same temperature and masks: mismatch KL < 1e-6."""
+    """Teacher-forced forward of a separately loaded copy, same temperature and kept ids: mismatch KL < 1e-6."""
     engine = make_engine()
     trainer_model = load_model(model_dir("qwen3"), dtype=torch.float32)
     prompts = _prompts(3, engine.vocab_size, seed=2)
@@ -78,14 +78,16 @@ def test_logprobs_match_the_trainer_recomputation(params, model_dir, make_engine
             ids = torch.tensor(prompt + sample.token_ids)
             targets = ids[1:].clone()
             targets[: len(prompt) - 1] = IGNORE_INDEX
-            masks = [None] * (len(prompt) - 1) + (sample.masks if params.truncates else [None] * len(sample.token_ids))
-            kept = torch.tensor(kept_ids_rows(masks))
+            encoded = sample.encoded_kept_ids if params.truncates else [None] * len(sample.token_ids)
+            kept_matrix = torch.tensor(decode_kept_matrix([None] * (len(prompt) - 1) + encoded))
             with torch.no_grad():
-                out = trainer_model(ids[None, :-1], targets=targets[None], temperature=temperature, kept_ids=kept[None])
+                out = trainer_model(
+                    ids[None, :-1], targets=targets[None], temperature=temperature, kept_matrix=kept_matrix[None]
+                )
             trainer = out.logprobs[0, len(prompt) - 1 :]
             diffs.append(trainer.double() - torch.tensor(sample.logprobs, dtype=torch.float64))
             if params.truncates:
-                assert any(m is not None for m in sample.masks)
+                assert any(step is not None for step in sample.encoded_kept_ids)
     d = torch.cat(diffs)
     kl = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(inference || trainer)
     assert kl < 1e-6 and d.abs().max() < 1e-4, f"mismatch KL {kl:.2e}, max |diff| {d.abs().max():.2e}"

@@ -13,7 +13,7 @@ import pytest
 from starlette.requests import Request
 
 from tandem.inference.http import encoded_response
-from tandem.inference.masks import encode_mask
+from tandem.inference.kept_ids import encode_kept_ids
 from tandem.inference.protocol import GenerateResponse, PromptOutput, SampleOutput
 from tandem.wire import MEDIA_TYPE, pack, unpack
 
@@ -40,8 +40,8 @@ def _outputs(response: httpx.Response) -> list:
 
 
 def _same_rollout(got: list, expected: list) -> None:
-    """Tokens, masks, versions and finish reasons equal; logprobs equal to fp32 rounding, as two runs of one seeded
-    request on CPU may batch differently (the wire itself is exact: test_the_msgpack_response_is_exact)."""
+    """Tokens, kept ids (`masks`), versions and finish reasons equal; logprobs equal to fp32 rounding, as two runs
+    of one seeded request on CPU may batch differently (the wire itself is exact: test_the_msgpack_response_is_exact)."""
     assert len(got) == len(expected)
     for prompt, want in zip(got, expected, strict=True):
         assert prompt["prompt_token_count"] == want["prompt_token_count"]
@@ -73,10 +73,11 @@ def test_msgpack_in_and_out_gives_the_same_rollout_as_json(server):
 
 
 def test_the_msgpack_response_is_exact():
-    """Every fp32 logprob, id, mask and (id, logprob) pair comes back from msgpack exactly as JSON carries it."""
+    """Every fp32 logprob, id, encoded kept ids and (id, logprob) pair comes back from msgpack exactly as JSON
+    carries it."""
     values = np.random.default_rng(0).standard_normal(64).astype(np.float32).tolist()
     sample = SampleOutput(
-        token_ids=list(range(64)), logprobs=values, masks=[encode_mask([1, 5], 100), None] * 32, versions=[3] * 64,
+        token_ids=list(range(64)), logprobs=values, masks=[encode_kept_ids([1, 5], 100), None] * 32, versions=[3] * 64,
         finish_reason="length", top_logprobs=[[(7, v), (9, -v)] for v in values],
     )  # fmt: skip
     response = GenerateResponse(

@@ -276,7 +276,7 @@ def test_the_vllm_routes_share_the_guards(monkeypatch, tmp_path):
             assert wrong_model.status_code == 404 and "not served here" in wrong_model.json()["error"]["message"]
             # the built-in engine's checks, with this server's limits, before vLLM is asked
             for sampling, words in [
-                ({"top_p": 0.9}, "sampling masks"),
+                ({"top_p": 0.9}, "returns no kept ids"),
                 ({"max_tokens": 64}, "does not fit"),
                 ({"top_logprobs": 6}, "max_logprobs"),
                 ({"stop_token_ids": [100]}, "stop_token_ids"),

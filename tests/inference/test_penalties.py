@@ -57,7 +57,7 @@ def test_sampled_tokens_and_logprobs_follow_the_adjusted_distribution():
             order = z.argsort(descending=True)[: p.top_k]
             probs = z[order].softmax(-1)
             kept = order[: int((probs.cumsum(-1) - probs < p.top_p).sum())]
-            assert sorted(out.kept[row]) == sorted(kept.tolist())
+            assert sorted(out.kept_ids[row]) == sorted(kept.tolist())
             log_probs = torch.full_like(z, float("-inf"))
             log_probs[kept] = z[kept] - z[kept].logsumexp(-1)
         else:

@@ -1,4 +1,4 @@
-"""The sampler: kept sets exactly as top-k/top-p/min-p define them, logprobs of the final distribution,
+"""The sampler: kept ids exactly as top-k/top-p/min-p define them, logprobs of the final distribution,
 seeded draws independent of the batch, empirical frequencies matching the distribution."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], samples=None, st
 
 
 def _expected_kept(logits: torch.Tensor, p: SamplingParams) -> set[int]:
-    """The kept set computed the plain way, in float64, one rule at a time."""
+    """The kept ids computed the plain way, in float64, one rule at a time."""
     z = logits.double() / p.temperature
     order = z.argsort(descending=True).tolist()
     probs = z.softmax(-1)
@@ -64,12 +64,12 @@ CASES = [
 ]
 
 
-def test_kept_sets_are_exactly_what_the_rules_keep():
+def test_kept_ids_are_exactly_what_the_rules_keep():
     logits = _logits(len(CASES))
     out = _sample(logits, CASES)
     for row, params in enumerate(CASES):
         expected = _expected_kept(logits[row], params)
-        assert set(out.kept[row]) == expected, params
+        assert set(out.kept_ids[row]) == expected, params
         assert out.tokens[row] in expected
         z = logits[row].double() / params.temperature
         kept = torch.tensor(sorted(expected))
@@ -83,7 +83,7 @@ def test_greedy_is_argmax_with_untempered_logprob_and_no_mask():
     for row in range(2):
         assert out.tokens[row] == int(logits[row].argmax())
         assert out.logprobs[row] == pytest.approx(float(logits[row].log_softmax(-1).max()), abs=1e-6)
-        assert out.kept[row] is None
+        assert out.kept_ids[row] is None
     top = out.top[0]
     assert [i for i, _ in top] == logits[0].topk(4).indices.tolist()
     assert top[0][1] == pytest.approx(out.logprobs[0])
@@ -93,7 +93,7 @@ def test_top_logprobs_come_from_the_truncated_distribution():
     logits = _logits(1)
     params = SamplingParams(temperature=1.0, top_k=3, top_logprobs=5, seed=0)
     out = _sample(logits, [params])
-    assert len(out.top[0]) == 3  # tokens outside the kept set have probability 0 and are left out
+    assert len(out.top[0]) == 3  # tokens outside the kept ids have probability 0 and are left out
     assert math.fsum(math.exp(lp) for _, lp in out.top[0]) == pytest.approx(1.0, abs=1e-5)
 
 

@@ -14,7 +14,7 @@ import pytest
 from support.inference import SEQ_LEN
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
-from tandem.inference.masks import decode_mask
+from tandem.inference.kept_ids import decode_kept_ids
 from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.testing import write_tiny_model
 
@@ -74,7 +74,7 @@ def test_openai_client_chat_and_streaming(server, tokenizer):
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_generate_returns_token_ids_logprobs_masks_and_versions(server):
+def test_generate_returns_token_ids_logprobs_kept_ids_and_versions(server):
     body = {
         "prompt_token_ids": [[5, 6, 7, 8], [9, 10]],
         "n": 2,
@@ -90,8 +90,8 @@ def test_generate_returns_token_ids_logprobs_masks_and_versions(server):
             assert sample.token_ids == record.token_ids
             assert sample.logprobs == pytest.approx(record.logprobs, abs=1e-5)  # batch composition: fp32 rounding
             assert sample.versions == [0] * len(sample.token_ids) and sample.finish_reason in ("stop", "length")
-            for token, mask, top in zip(sample.token_ids, sample.masks, sample.top_logprobs, strict=True):
-                kept = decode_mask(mask)
+            for token, encoded, top in zip(sample.token_ids, sample.masks, sample.top_logprobs, strict=True):
+                kept = decode_kept_ids(encoded)
                 assert len(kept) == 5 and token in kept and {i for i, _ in top} <= set(kept)
     greedy = httpx.post(f"{server.url}/generate", json={"prompt_token_ids": [5, 6], "sampling": {"temperature": 0}})
     (sample,) = greedy.json()["outputs"][0]["samples"]

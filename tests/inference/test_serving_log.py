@@ -7,7 +7,7 @@ import logging
 
 from support.polling import wait_until
 from tandem.inference.protocol import SamplingParams
-from tandem.inference.serving_log import METRICS_FILE, ServingSummary
+from tandem.inference.serving_log import INFERENCE_METRICS_FILE, ServingSummary
 from tandem.jsonl import read_records
 
 KEYS = {
@@ -25,7 +25,7 @@ def test_each_record_covers_its_interval_and_an_idle_server_still_writes_one(mak
         busy = summary.write()
         wait_until(lambda: engine.gauges.running == 0, message="the engine's gauges after the last step")
         idle = summary.write()
-    assert read_records(tmp_path / METRICS_FILE) == [busy, idle]
+    assert read_records(tmp_path / INFERENCE_METRICS_FILE) == [busy, idle]
     assert set(busy) == KEYS and busy["requests"] == 2 and busy["tokens_per_s"] > 0
     assert idle["requests"] == 0 and idle["tokens_per_s"] == 0 and idle["running"] == idle["waiting"] == 0
     assert 0 <= idle["kv_usage"] <= 1 and idle["time"] >= busy["time"]
@@ -34,4 +34,4 @@ def test_each_record_covers_its_interval_and_an_idle_server_still_writes_one(mak
 
     resumed = ServingSummary(engine.stats, tmp_path)  # a restarted server appends to the same file
     resumed.write()
-    assert len(read_records(tmp_path / METRICS_FILE)) == 3
+    assert len(read_records(tmp_path / INFERENCE_METRICS_FILE)) == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
 from tandem.inference.protocol import SamplingParams
-from tandem.inference.serving_log import METRICS_FILE, ServingSummary
+from tandem.inference.serving_log import INFERENCE_METRICS_FILE, ServingSummary
 from tandem.inference.weights import read_weights
 from tandem.jsonl import read_records
 
@@ -28,4 +28,4 @@ def test_records_count_the_intervals_swaps_and_busy_share(make_engine, tiny_mode
     assert working["peak_allocated_gib"] is None and working["peak_reserved_gib"] is None  # CPU
     stats = engine.stats()
     assert stats.weight_swaps == 2 and stats.policy_version == 2 and stats.busy_s > 0
-    assert read_records(tmp_path / METRICS_FILE) == [working, idle]
+    assert read_records(tmp_path / INFERENCE_METRICS_FILE) == [working, idle]

@@ -79,4 +79,4 @@ def test_tandem_rl_refuses_truncated_sampling_on_vllm_unless_exact_replay_is_off
         RlConfig(inference={"engine": "vllm"}, **truncating_source(top_k=20))
     RlConfig(inference={"engine": "vllm", "exact_replay": False}, **truncating_source(min_p=0.1))
     RlConfig(inference={"engine": "vllm"}, **truncating_source(temperature=0.7))
-    RlConfig(inference={"engine": "builtin"}, **truncating_source(top_p=0.9))  # the built-in engine returns masks
+    RlConfig(inference={"engine": "builtin"}, **truncating_source(top_p=0.9))  # the built-in engine returns kept ids

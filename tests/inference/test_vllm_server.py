@@ -186,7 +186,7 @@ def test_generate_keeps_the_built_in_contract(server):
     ("body", "status", "message"),
     [
         ({"prompt_token_ids": [5], "sampling": {"top_p": 0.9}}, 400, "exact_replay = false"),
-        ({"prompt_token_ids": [5], "sampling": {"top_k": 20}}, 400, "sampling masks"),
+        ({"prompt_token_ids": [5], "sampling": {"top_k": 20}}, 400, "returns no kept ids"),
         ({"prompt_token_ids": [5], "sampling": {"max_tokens": SEQ_LEN}}, 400, "does not fit"),
         ({"prompt_token_ids": [5] * SEQ_LEN}, 400, "leaves no room"),
         ({"prompt_token_ids": [5], "sampling": {"temprature": 1.0}}, 400, "unknown field `sampling.temprature`"),

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from tandem.models import (
-    CheckpointError,
-    ConfigError,
+    ModelConfigError,
+    ModelWeightsError,
     build_model,
     hf_tensors,
     load_model,
@@ -22,7 +22,7 @@ from tandem.models import (
     save_model,
 )
 from tandem.testing import tiny_config, write_tiny_model
-from tandem.testing.tiny import ARCHITECTURES as ARCHS
+from tandem.testing.tiny import TINY_ARCHITECTURES as ARCHS
 
 
 def _disk_tensors(path) -> dict[str, torch.Tensor]:
@@ -157,21 +157,21 @@ def test_missing_and_unexpected_weights_are_named(model_dir, tmp_path):
     (tmp_path / "bad").mkdir()
     shutil.copy(src / "config.json", tmp_path / "bad" / "config.json")
     save_file(tensors, tmp_path / "bad" / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"1 missing: model\.layers\.1\.self_attn\.k_proj\.weight.*extra"):
+    with pytest.raises(ModelWeightsError, match=r"1 missing: model\.layers\.1\.self_attn\.k_proj\.weight.*extra"):
         load_model(tmp_path / "bad")
     (tmp_path / "bad" / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="missing weights"):
+    with pytest.raises(ModelWeightsError, match="missing weights"):
         load_model(tmp_path / "bad")
 
 
 def test_config_errors_name_the_problem(tmp_path):
-    with pytest.raises(ConfigError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+    with pytest.raises(ModelConfigError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
         build_model({**tiny_config("llama"), "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ConfigError, match="missing required key 'hidden_size'"):
+    with pytest.raises(ModelConfigError, match="missing required key 'hidden_size'"):
         build_model({k: v for k, v in tiny_config("qwen3").items() if k != "hidden_size"})
-    with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"):
+    with pytest.raises(ModelConfigError, match="rope_type 'dynamic' is not supported"):
         build_model(tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
-    with pytest.raises(ConfigError, match="sliding-window"):
+    with pytest.raises(ModelConfigError, match="sliding-window"):
         build_model(tiny_config("qwen3", use_sliding_window=True))
     with pytest.raises(TypeError, match="unknown runtime options"):
         build_model(tiny_config("qwen3"), vocab_size=3)
@@ -205,24 +205,24 @@ def test_config_variants_match_and_round_trip(variant, tmp_path):
 
 
 def test_unreadable_files_are_named(model_dir, tmp_path):
-    """A truncated shard, a corrupt index or config.json: a CheckpointError or ConfigError naming the file."""
+    """A truncated shard, a corrupt index or config.json: a ModelWeightsError or ModelConfigError naming the file."""
     bad = shutil.copytree(model_dir("qwen3"), tmp_path / "bad")
     weights = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(weights[: len(weights) - 100])
     with pytest.raises(
-        CheckpointError, match=re.escape(f"{bad / 'model.safetensors'} is not a readable safetensors file")
+        ModelWeightsError, match=re.escape(f"{bad / 'model.safetensors'} is not a readable safetensors file")
     ):
         load_model(bad)
     (bad / "model.safetensors").write_bytes(weights)
     (bad / "model.safetensors.index.json").write_text('{"weight_map": ')
-    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not a valid safetensors index"):
+    with pytest.raises(ModelWeightsError, match=r"model\.safetensors\.index\.json is not a valid safetensors index"):
         load_model(bad)
     index = {"weight_map": dict.fromkeys(_disk_tensors(bad), "missing.safetensors")}
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"missing\.safetensors is not a readable safetensors file"):
+    with pytest.raises(ModelWeightsError, match=r"missing\.safetensors is not a readable safetensors file"):
         load_weights(load_model(bad, device="meta"), bad)
     (bad / "config.json").write_bytes(b"\xff{")
-    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+    with pytest.raises(ModelConfigError, match=r"config\.json is not valid JSON"):
         load_model(bad)
 
 

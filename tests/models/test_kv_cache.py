@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.models import KVCache, load_model
-from tandem.testing.tiny import ARCHITECTURES as ARCHS
+from tandem.testing.tiny import TINY_ARCHITECTURES as ARCHS
 
 PROMPTS = (5, 9, 3)
 DECODE_STEPS = 4

@@ -20,8 +20,9 @@ def _inputs(seed: int = 0, dtype: torch.dtype = torch.float32):
     return hidden, weight, targets
 
 
-def _kept_ids(targets: torch.Tensor) -> torch.Tensor:
-    """Per token up to 6 kept ids (the target among them), padded with -1; token 5 keeps the full vocab."""
+def _kept_matrix(targets: torch.Tensor) -> torch.Tensor:
+    """A kept matrix: per token up to 6 kept ids (the target among them), padded with -1; token 5 keeps the full
+    vocab."""
     g = torch.Generator().manual_seed(7)
     kept = torch.randint(0, VOCAB, (TOKENS, 6), generator=g)
     kept[:, 0] = targets.clamp_min(0)
@@ -43,8 +44,8 @@ CASES = {
     "plain": {},
     "temperature": {"temperature": 0.7},
     "per-token temperature": {"temperature": torch.linspace(0.5, 1.5, TOKENS)},
-    "kept set": {"kept": True},
-    "kept set + temperature": {"kept": True, "temperature": 1.3},
+    "kept ids": {"kept": True},
+    "kept ids + temperature": {"kept": True, "temperature": 1.3},
 }
 
 
@@ -54,28 +55,28 @@ def test_chunked_matches_reference(case, chunk_size):
     hidden, weight, targets = _inputs()
     kw = dict(CASES[case])
     if kw.pop("kept", False):
-        kw["kept_ids"] = _kept_ids(targets)
+        kw["kept_matrix"] = _kept_matrix(targets)
     ours = _loss_and_grads(token_logprobs, hidden, weight, targets=targets, chunk_size=chunk_size, **kw)
     ref = _loss_and_grads(reference_token_logprobs, hidden, weight, targets=targets, **kw)
     for name, a, b in zip(("logprobs", "entropy", "grad hidden", "grad weight"), ours, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
     assert (ours[0][[3, 20]] == 0).all(), "ignored targets have logprob 0"
-    if "kept_ids" in kw:
+    if "kept_matrix" in kw:
         restricted = torch.arange(TOKENS) != 5  # row 5 keeps the whole vocabulary
         assert (ours[1][restricted] <= torch.log(torch.tensor(6.0)) + 1e-5).all(), "entropy over <= 6 kept ids"
 
 
-def test_kept_set_renormalises():
+def test_kept_ids_renormalise():
     hidden, weight, targets = _inputs()
-    kept = _kept_ids(targets)
-    out = token_logprobs(hidden, weight, targets, kept_ids=kept).logprobs
+    kept = _kept_matrix(targets)
+    out = token_logprobs(hidden, weight, targets, kept_matrix=kept).logprobs
     full = token_logprobs(hidden, weight, targets).logprobs
     assert (out >= full - 1e-6).all() and (out > full + 1e-3).any()
     torch.testing.assert_close(out[5], full[5])  # an all -1 row keeps the whole vocabulary
     outside = kept.clone()
     outside[0, 0] = (targets[0] + 1) % VOCAB
     outside[0, 1:] = -1
-    assert token_logprobs(hidden, weight, targets, kept_ids=outside).logprobs[0] == -torch.inf
+    assert token_logprobs(hidden, weight, targets, kept_matrix=outside).logprobs[0] == -torch.inf
 
 
 def test_only_one_output_used():
@@ -112,12 +113,12 @@ def test_bf16_close_to_fp32_reference():
 def test_cuda_bf16_weight_gradient_close_to_fp32_reference():
     """On CUDA the bf16 weight gradient's GEMM runs in bf16 with fp32 accumulation (not an fp32 SIMT SGEMM)."""
     hidden, weight, targets = (t.detach().cuda() for t in _inputs())
-    kept = _kept_ids(targets.cpu()).cuda()
+    kept = _kept_matrix(targets.cpu()).cuda()
     g = torch.randn(TOKENS, generator=torch.Generator().manual_seed(9)).cuda()
     grads = []
     for dtype in (torch.bfloat16, torch.float32):
         w = weight.to(dtype).requires_grad_(True)
-        out = token_logprobs(hidden.to(dtype), w, targets, temperature=0.8, kept_ids=kept, chunk_size=8)
+        out = token_logprobs(hidden.to(dtype), w, targets, temperature=0.8, kept_matrix=kept, chunk_size=8)
         grads.append(torch.autograd.grad((g * out.logprobs).sum() + out.entropy.sum(), w)[0])
     assert grads[0].dtype == torch.bfloat16
     torch.testing.assert_close(grads[0].float(), grads[1], rtol=5e-2, atol=5e-3)

@@ -13,7 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from tandem.models import load_model, model_args
 from tandem.models.layers import document_ids, document_mask, inv_frequencies
 from tandem.testing import write_tiny_model
-from tandem.testing.tiny import ARCHITECTURES as ARCHS
+from tandem.testing.tiny import TINY_ARCHITECTURES as ARCHS
 
 TOL = 1e-4  # fp32 max abs logit difference vs transformers
 

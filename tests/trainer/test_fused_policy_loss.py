@@ -7,14 +7,14 @@ import torch
 
 from tandem.config.trainer import LossConfig
 from tandem.models import IGNORE_INDEX, load_model, token_logprobs
-from tandem.models.logprobs import _keep_mask
+from tandem.models.logprobs import _kept_mask
 from tandem.trainer.fused_loss import PolicyTokens, _compiled, _logit_grad_, _scores, fused_policy_loss
 from tandem.trainer.loss import LossInputs, policy_loss
 
 VOCAB, HIDDEN, TOKENS, K = 97, 16, 37, 6
 IGNORED = [3, 20, 21]
 FULL_VOCAB_ROW = 5
-OUTSIDE_ROW = 11  # its target lies outside its kept set: logprob -inf on both paths
+OUTSIDE_ROW = 11  # its target lies outside its kept ids: logprob -inf on both paths
 
 
 def _tensors(seed: int = 0):
@@ -25,7 +25,7 @@ def _tensors(seed: int = 0):
 
 
 def _tokens(hidden: torch.Tensor, weight: torch.Tensor, g: torch.Generator) -> PolicyTokens:
-    """Targets (some off the loss), kept sets (some rows the whole vocabulary), per-token temperatures, and
+    """Targets (some off the loss), kept ids (some rows the whole vocabulary), per-token temperatures, and
     inference logprobs near the trainer's, so every loss type has kept, masked and clipped tokens."""
     tokens, vocab = hidden.shape[0], weight.shape[0]
     targets = torch.randint(0, vocab, (tokens,), generator=g)
@@ -36,7 +36,7 @@ def _tokens(hidden: torch.Tensor, weight: torch.Tensor, g: torch.Generator) -> P
     kept[FULL_VOCAB_ROW] = -1
     temperatures = torch.linspace(0.6, 1.4, tokens)
     with torch.no_grad():
-        exact = token_logprobs(hidden, weight, targets, temperature=temperatures, kept_ids=kept).logprobs
+        exact = token_logprobs(hidden, weight, targets, temperature=temperatures, kept_matrix=kept).logprobs
     inference = exact + 0.6 * torch.randn(tokens, generator=g)
     inference = inference.clamp_max(-1e-3).masked_fill(targets == IGNORE_INDEX, 0.7)  # off-loss values are ignored
     advantages = torch.randn(tokens, generator=g)
@@ -44,7 +44,7 @@ def _tokens(hidden: torch.Tensor, weight: torch.Tensor, g: torch.Generator) -> P
     return PolicyTokens(
         targets=targets,
         temperatures=temperatures,
-        kept_ids=kept,
+        kept_matrix=kept,
         inference_logprobs=inference,
         advantages=advantages,
         weights=weights / weights.sum(),
@@ -58,7 +58,7 @@ def _reference(hidden, weight, tokens: PolicyTokens, config: LossConfig, with_en
         weight,
         tokens.targets,
         temperature=tokens.temperatures,
-        kept_ids=tokens.kept_ids,
+        kept_matrix=tokens.kept_matrix,
         chunk_size=8,
         with_entropy=with_entropy,
     )
@@ -99,8 +99,8 @@ CONFIGS = [
 def test_matches_reference(config, kl_coef):
     config = config.model_copy(update={"kl_coef": kl_coef})
     hidden, weight, tokens = _tensors()
-    tokens.kept_ids[OUTSIDE_ROW] = (tokens.targets[OUTSIDE_ROW] + 1 + torch.arange(K)) % VOCAB
-    tokens.kept_ids[OUTSIDE_ROW, 2:] = -1
+    tokens.kept_matrix[OUTSIDE_ROW] = (tokens.targets[OUTSIDE_ROW] + 1 + torch.arange(K)) % VOCAB
+    tokens.kept_matrix[OUTSIDE_ROW, 2:] = -1
     tokens.weights[OUTSIDE_ROW] = 0.0  # such a token is never sampled; here it is only carried through
     ours = _run(fused_policy_loss, hidden, weight, tokens, config, 8)
     ref = _run(lambda h, w: _reference(h, w, tokens, config, True), hidden, weight)
@@ -114,7 +114,7 @@ def test_matches_reference(config, kl_coef):
 @pytest.mark.parametrize("chunk_size", [5, 37, 1024])  # ragged last chunk, exact, one chunk
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_matches_reference_on_sampled_tokens(config, chunk_size, with_entropy):
-    """Every target in its kept set (as sampling guarantees): value, every metric, both gradients."""
+    """Every target among its kept ids (as sampling guarantees): value, every metric, both gradients."""
     config = config.model_copy(update={"kl_coef": 0.05})
     hidden, weight, tokens = _tensors(seed=1)
     ours = _run(fused_policy_loss, hidden, weight, tokens, config, chunk_size, with_entropy)
@@ -137,9 +137,9 @@ def test_masks_and_clips_are_exercised():
             assert 0 < metrics["clip_fraction"] < 0.9, config.type
 
 
-def test_no_kept_sets():
+def test_no_kept_ids():
     hidden, weight, tokens = _tensors(seed=2)
-    tokens.kept_ids = None
+    tokens.kept_matrix = None
     config = LossConfig(kl_coef=0.1)
     _assert_same(
         _run(fused_policy_loss, hidden, weight, tokens, config, 16),
@@ -198,18 +198,18 @@ def test_compiled_chunk_kernels_match_eager(kept):
     give the eager results; compiled here for the CPU, the same graphs."""
     hidden, weight, tokens = _tensors()
     logits = hidden @ weight.T
-    keep = _keep_mask(tokens.kept_ids, VOCAB) if kept else None
+    kept_mask = _kept_mask(tokens.kept_matrix, VOCAB) if kept else None
     targets, temperatures = tokens.targets.clamp_min(0), tokens.temperatures
     scores, logit_grad_ = _compiled()
     for with_entropy in (True, False):
-        want = _scores(logits, temperatures, keep, targets, with_entropy)
+        want = _scores(logits, temperatures, kept_mask, targets, with_entropy)
         torch.testing.assert_close(
-            scores(logits, temperatures, keep, targets, with_entropy), want, rtol=1e-5, atol=1e-6
+            scores(logits, temperatures, kept_mask, targets, with_entropy), want, rtol=1e-5, atol=1e-6
         )
     lse, grad = want[1], torch.randn(TOKENS, generator=torch.Generator().manual_seed(3))
     compiled, eager = logits.clone(), logits.clone()
-    logit_grad_(compiled, temperatures, keep, targets, lse, grad)
-    _logit_grad_(eager, temperatures, keep, targets, lse, grad)
+    logit_grad_(compiled, temperatures, kept_mask, targets, lse, grad)
+    _logit_grad_(eager, temperatures, kept_mask, targets, lse, grad)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
 
 

@@ -15,7 +15,7 @@ from tandem.models import load_model
 from tandem.orchestrator.batching import pack_batch
 from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.rl import LAG_NAMES, micro_batch_loss
-from tandem.transport.batches import kept_ids_matrix
+from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, kept_matrix_from_csr
 
 LOSSES = [
     {"type": "ipo"},
@@ -31,7 +31,7 @@ VERSION = 5
 
 
 def _samples(seed: int = 0):
-    """make_samples with kept sets (some over the replay cap, so off the loss), temperatures other than 1, and
+    """make_samples with kept ids (some over the replay cap, so off the loss), temperatures other than 1, and
     every policy lag from 0 to 5 (the tokens of one sample are drawn by one or two versions)."""
     rng = random.Random(seed)
     samples = make_samples("token_mean", seed)
@@ -68,11 +68,11 @@ def _run(model_dir, micros, config, version: int = VERSION):
 
 
 def test_packed_loss_weights_are_zero_wherever_the_target_is_ignored():
-    """The loss relies on it: a position whose target is ignored (padding, prompts, a kept set over the replay
+    """The loss relies on it: a position whose target is ignored (padding, prompts, kept ids over the replay
     cap) carries weight 0, as the orchestrator packs it."""
     micros = _micros()
     overflow = sum(len(kept) > MAX_REPLAY_KEPT for s in _samples() for kept in s.kept_ids)
-    assert overflow, "no kept set over the cap: the test would not cover it"
+    assert overflow, "no token kept more ids than the cap: the test would not cover it"
     off = torch.cat([(m["target_ids"] == -100).flatten() for m in micros])
     weights = torch.cat([m["loss_weights"].flatten() for m in micros])
     assert off.any() and (weights[off] == 0).all()
@@ -111,9 +111,9 @@ def test_positions_off_the_loss_add_exactly_nothing(tiny_model_dir, loss):
     expected: dict[str, torch.Tensor] = {}
     for micro in micros:
         on = micro["target_ids"] != -100
-        kept = kept_ids_matrix(micro["kept_counts"], micro["kept_ids"], model.args.vocab_size)
+        kept_matrix = kept_matrix_from_csr(micro[KEPT_COUNTS], micro[KEPT_IDS_FLAT], model.args.vocab_size)
         out = model(micro["input_ids"], micro["position_ids"], targets=micro["target_ids"],
-                    temperature=micro["temperatures"], kept_ids=kept)  # fmt: skip
+                    temperature=micro["temperatures"], kept_matrix=kept_matrix)  # fmt: skip
         inputs = LossInputs(out.logprobs[on], micro["inference_logprobs"][on], micro["advantages"][on],
                             micro["loss_weights"][on], out.entropy[on])  # fmt: skip
         value, metrics = policy_loss(config.loss, inputs)
@@ -139,7 +139,7 @@ def test_positions_off_the_loss_add_exactly_nothing(tiny_model_dir, loss):
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda loss: loss["type"])
 def test_the_fused_loss_equals_the_reference_in_value_metrics_and_gradients(tiny_model_dir, loss):
     """`speed.fused_loss` (the policy loss formed chunk by chunk inside the model's forward) against the chunked
-    logprobs and `policy_loss`: per-token temperatures, replayed kept sets, every loss type, fp32."""
+    logprobs and `policy_loss`: per-token temperatures, replayed kept ids, every loss type, fp32."""
     model_dir = tiny_model_dir("qwen3")
     micros = _micros()
     reference = _run(model_dir, micros, TrainerConfig(loss=loss))

@@ -15,7 +15,7 @@ from tandem.config.trainer import TrainerConfig
 from tandem.models import load_model
 from tandem.orchestrator.batching import pack_batch
 from tandem.trainer.rl import micro_batch_loss
-from tandem.transport.batches import read_batch, write_batch
+from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, read_batch, write_batch
 from tandem.transport.policies import COMPLETE
 
 
@@ -117,14 +117,14 @@ def test_trainer_on_two_gloo_ranks_matches_one_and_publishes_policies(tiny_model
         torch.testing.assert_close(final[0][key], final[1][key], rtol=0, atol=1e-5)
 
 
-def test_compact_kept_sets_give_the_loss_of_the_padded_matrix(tiny_model_dir):
-    """The trainer rebuilds the padded kept-id matrix from the batch's CSR masks: the loss and its gradients are
+def test_csr_kept_ids_give_the_loss_of_the_kept_matrix(tiny_model_dir):
+    """The trainer rebuilds the padded kept matrix from the batch's CSR kept ids: the loss and its gradients are
     those of the model given that matrix directly (micro-batches of two rows: the flat ids span rows)."""
     from tandem.trainer.loss import LossInputs, policy_loss
 
     rng = random.Random(3)
     samples = make_samples("token_mean")
-    for sample in samples:  # each completion token sampled from a small kept set holding it (or the whole vocab)
+    for sample in samples:  # each completion token sampled from a few kept ids holding it (or the whole vocab)
         sample.kept_ids = [
             [] if rng.random() < 0.2 else sorted({token, *rng.sample(range(500), rng.randint(0, 6))})
             for token in sample.completion_ids
@@ -136,13 +136,13 @@ def test_compact_kept_sets_give_the_loss_of_the_padded_matrix(tiny_model_dir):
     for micro in micros:
         width = max(len(kept) for s in samples for kept in s.kept_ids)
         padded = torch.full((*micro["target_ids"].shape, width), -1, dtype=torch.long)
-        flat, start = micro["kept_ids"].tolist(), 0
-        for index, count in enumerate(micro["kept_counts"].flatten().tolist()):
+        flat, start = micro[KEPT_IDS_FLAT].tolist(), 0
+        for index, count in enumerate(micro[KEPT_COUNTS].flatten().tolist()):
             padded.view(-1, width)[index, :count] = torch.tensor(flat[start : start + count])
             start += count
         on = micro["target_ids"] != -100
         out = model(micro["input_ids"], micro["position_ids"], targets=micro["target_ids"],
-                    temperature=micro["temperatures"], kept_ids=padded)  # fmt: skip
+                    temperature=micro["temperatures"], kept_matrix=padded)  # fmt: skip
         inputs = LossInputs(out.logprobs[on], micro["inference_logprobs"][on], micro["advantages"][on],
                             micro["loss_weights"][on])  # fmt: skip
         policy_loss(config.loss, inputs)[0].backward()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tandem.trainer.batching import balance, step_indices
+from tandem.trainer.batching import balance_rows, step_indices
 from tandem.trainer.data import BadRow, DatasetError, Sample, load_samples, pack, pad_each, read_jsonl, tokenize_row
 
 
@@ -133,9 +133,9 @@ def test_step_rows_depend_only_on_seed_and_step():
 
 def test_balance_gives_equal_counts_and_even_tokens():
     rows = [pad_each([Sample([1] * n, [False] + [True] * (n - 1))], 10, 0)[0] for n in (9, 1, 8, 2, 7, 3, 6, 4)]
-    groups = balance(rows, 2)
+    groups = balance_rows(rows, 2)
     assert [len(g) for g in groups] == [4, 4]
     assert [sum(r.num_real for r in g) for g in groups] == [20, 20]
     with pytest.raises(ValueError, match="evenly"):
-        balance(rows[:3], 2)
+        balance_rows(rows[:3], 2)
     assert torch.equal(groups[0][0].input_ids, rows[0].input_ids)

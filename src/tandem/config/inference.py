@@ -16,7 +16,7 @@ class InferenceConfig(RunConfig):
     engine: Literal["builtin", "vllm"] = "builtin"
     """builtin: tandem's engine (the trainer's model code); vllm: vLLM with tandem's routes (pip install -e ".[vllm]")."""
     exact_replay: bool = True
-    """Refuse top-k/top-p/min-p rollouts the engine returns no masks for (vllm); false: trainer uses the whole vocab."""
+    """Refuse top-k/top-p/min-p rollouts the engine returns no kept ids for (vllm); false: trainer uses the whole vocab."""
     vllm_args: list[str] = Field(default_factory=list)
     """Extra `vllm serve` arguments for engine vllm, e.g. ["--tensor-parallel-size", "4"]."""
     host: str = "127.0.0.1"

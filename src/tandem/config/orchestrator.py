@@ -12,18 +12,18 @@ from tandem.config.env import EnvConfig
 from tandem.config.eval import ConcurrencyConfig, EvalSourceConfig
 
 MAX_REPLAY_KEPT = 2048
-"""The most token ids a replayed sampling mask may keep (prime-rl's cap): the trainer builds a
-`[tokens, kept]` index tensor per micro-batch, so a larger top_k is refused and a token whose top-p/min-p
-set is larger is taken off the loss (counted as `replay_overflow_tokens`)."""
+"""The most kept ids the trainer replays for one token (prime-rl's cap): it builds a `[tokens, K]` kept matrix
+per micro-batch, so a larger top_k is refused and a token whose top-p/min-p sampling kept more ids is taken off
+the loss (counted as `replay_overflow_tokens`)."""
 
 
 class RolloutSamplingConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of training rollouts (the trainer recomputes logprobs at the same one)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; below 1 the server returns the kept set and the trainer replays it."""
+    """Nucleus sampling; below 1 the server returns each token's kept ids and the trainer replays them."""
     top_k: int = Field(0, ge=0)
-    """Keep the k most likely tokens (0: off; at most 2048 when the trainer replays the kept sets)."""
+    """Keep the k most likely tokens (0: off; at most 2048 when the trainer replays the kept ids)."""
     min_p: float = Field(0.0, ge=0, lt=1)
     """Drop tokens below min_p times the top token's probability (0: off)."""
     max_tokens: int = Field(256, gt=0)

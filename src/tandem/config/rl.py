@@ -81,7 +81,7 @@ class RlConfig(RunConfig):
 
     @model_validator(mode="after")
     def _replayable_sampling(self) -> RlConfig:
-        """vLLM returns no sampling masks: refuse truncated sampling up front, not at the first rollout."""
+        """vLLM returns no kept ids: refuse truncated sampling up front, not at the first rollout."""
         if self.inference.engine != "vllm" or not self.inference.exact_replay:
             return self
         truncating = [
@@ -92,14 +92,14 @@ class RlConfig(RunConfig):
         if truncating:
             raise ValueError(
                 f'sources {truncating} sample with top_k/top_p/min_p, but inference.engine = "vllm" returns no '
-                "sampling masks, so the trainer cannot replay them exactly: drop the truncation, or set "
+                "kept ids, so the trainer cannot replay the truncation exactly: drop it, or set "
                 "inference.exact_replay = false (the trainer then renormalises over the whole vocabulary)"
             )
         return self
 
     @model_validator(mode="after")
     def _replay_fits(self) -> RlConfig:
-        """Kept sets are replayed unless vLLM runs without exact replay: a top_k above the cap could not be."""
+        """Kept ids are replayed unless vLLM runs without exact replay: a top_k above the cap could not be."""
         if self.inference.engine == "vllm" and not self.inference.exact_replay:
             return self
         for index, source in enumerate(self.orchestrator.source):
@@ -107,6 +107,6 @@ class RlConfig(RunConfig):
                 raise ValueError(
                     f"orchestrator.source[{index}].sampling.top_k = {source.sampling.top_k} is above "
                     f"{MAX_REPLAY_KEPT}, the most kept ids the trainer replays per token: lower it, or use top_p / "
-                    "min_p (a token whose kept set is larger is taken off the loss)"
+                    "min_p (a token that keeps more ids is taken off the loss)"
                 )
         return self

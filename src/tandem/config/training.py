@@ -47,7 +47,7 @@ class SpeedConfig(Section):
     benchmarks/sft_throughput.py and benchmarks/rl_throughput.py measure them."""
 
     fused_loss: bool = False
-    """The loss with its gradient formed in the forward pass, chunk by chunk (no logits recomputed in backward; +[V, H] fp32): SFT's summed NLL, or RL's policy loss (every loss type, per-token temperatures, replayed kept sets, entropy)."""
+    """The loss with its gradient formed in the forward pass, chunk by chunk (no logits recomputed in backward; +[V, H] fp32): SFT's summed NLL, or RL's policy loss (every loss type, per-token temperatures, replayed kept ids, entropy)."""
     fused_optimizer: bool = False
     """AdamW as torch's fused kernel over all parameters (fused=True) instead of the foreach loop."""
     sdpa_backends: tuple[SdpaBackend, ...] = ()

@@ -13,7 +13,7 @@ def problems(followed: list[FollowedFile | None]) -> list[str]:
     return [note for item in followed if item is not None for note in item.notes()]
 
 
-def describe(outputs: Outputs, run: Run) -> dict[str, Any]:
+def run_row(outputs: Outputs, run: Run) -> dict[str, Any]:
     """One row of the run list."""
     if run.kind == "eval":
         traces = outputs.followed(run, "traces.jsonl", EvalTraces)
@@ -43,5 +43,5 @@ def list_runs(outputs: Outputs) -> list[dict[str, Any]]:
     with outputs.lock:
         runs = outputs.runs()
         outputs.forget_missing(runs)
-        rows = [describe(outputs, run) for run in runs]
+        rows = [run_row(outputs, run) for run in runs]
     return sorted(rows, key=lambda row: row["started"], reverse=True)

@@ -27,7 +27,7 @@ from tandem.dashboard.samples import SampleFilter, sample_page
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_POINTS = 400
-MAX_SAMPLES = 500
+MAX_SAMPLES_PER_PAGE = 500
 MAX_OFFSET = 10**9
 MAX_DEPTH = 32
 """Deeper JSON values are sent as null: no record can exhaust the encoder's stack."""
@@ -148,7 +148,7 @@ def create_app(outputs_dir: Path) -> Starlette:
             query = request.query_params
             where = sample_filter(query)
             offset = query_int(query, "offset", 0, MAX_OFFSET, 0)
-            limit = query_int(query, "limit", 1, MAX_SAMPLES, 50)
+            limit = query_int(query, "limit", 1, MAX_SAMPLES_PER_PAGE, 50)
             return StrictJSONResponse(sample_page(run.file(file), where, offset=offset, limit=limit))
 
         return handler

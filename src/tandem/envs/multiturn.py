@@ -18,7 +18,8 @@ from tandem.envs.base import Message, Score, Task, Taskset, maybe_await
 Generate = Callable[[list[Message]], Awaitable[str | Message]]
 """Given the conversation so far, the model's next reply: its text, or a full assistant message."""
 
-Outcome = Literal["ok", "truncated", "timeout"]
+EpisodeOutcome = Literal["ok", "truncated", "timeout"]
+"""How an episode ended: played out, cut by the context (`ContextFull`), or out of time."""
 
 Answer = str | Message | list[Message] | None
 """What an environment says after a reply: a user message's text, one message, several, or None (the end; so does an
@@ -51,7 +52,7 @@ class Episode:
     completion: list[Message]
     """Every message after the prompt: the model's replies and the environment's answers."""
     state: dict[str, Any]
-    outcome: Outcome
+    outcome: EpisodeOutcome
     score: Score
 
     @property
@@ -75,7 +76,7 @@ async def _play(
     prompt: Sequence[Message],
     after: list[Message],
     state: dict[str, Any],
-) -> Outcome:
+) -> EpisodeOutcome:
     """Run turns, appending to `after` in place so a timeout keeps the partial conversation."""
     multi = isinstance(taskset, MultiTurnTaskset)
     max_turns = taskset.max_turns if multi else 1

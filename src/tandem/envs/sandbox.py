@@ -37,7 +37,8 @@ from typing import IO, Literal
 
 from tandem.envs.tools import Tool, ToolError, truncate
 
-Outcome = Literal["ok", "error", "timeout", "cpu", "memory", "killed"]
+SandboxOutcome = Literal["ok", "error", "timeout", "cpu", "memory", "killed"]
+"""How a sandboxed run ended: cleanly, with an error (or a MemoryError), at its wall or CPU limit, or by a signal."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class SandboxResult:
     """How a run ended, its output (stdout and stderr interleaved, truncated) and the isolation it had."""
 
     output: str
-    outcome: Outcome
+    outcome: SandboxOutcome
     exit_code: int | None
     isolation: tuple[str, ...]
     """Layers that held: `network-namespace` or `socket-block`, `read-only-fs`, `no-capabilities`."""
@@ -138,7 +139,7 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
     return SandboxResult(output, _outcome(exit_code, timed_out, output), exit_code, isolation, limits)
 
 
-def _outcome(exit_code: int | None, timed_out: bool, output: str) -> Outcome:
+def _outcome(exit_code: int | None, timed_out: bool, output: str) -> SandboxOutcome:
     if timed_out:
         return "timeout"
     if exit_code == 0:

@@ -25,7 +25,7 @@ from tandem.envs.base import Message
 
 JsonSchema = dict[str, Any]
 
-ErrorKind = Literal["malformed", "unknown_tool", "invalid_arguments", "tool", "exception", "timeout", "budget"]
+ToolErrorKind = Literal["malformed", "unknown_tool", "invalid_arguments", "tool", "exception", "timeout", "budget"]
 """Why a call failed: `malformed` (could not be parsed), `unknown_tool`, `invalid_arguments` (against the
 schema), `tool` (the tool raised `ToolError`: a failure it reports on purpose, e.g. code that crashed in the
 sandbox), `exception` (any other exception), `timeout`, `budget` (over the episode's `max_calls`)."""
@@ -87,13 +87,13 @@ class MalformedCall:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """The answer to one call: its text, and for a failed call `is_error` and the ErrorKind."""
+    """The answer to one call: its text, and for a failed call `is_error` and the ToolErrorKind."""
 
     content: str
     tool_call_id: str
     name: str
     is_error: bool = False
-    error: ErrorKind | None = None
+    error: ToolErrorKind | None = None
 
 
 def tool_message(result: ToolResult) -> Message:
@@ -357,7 +357,7 @@ def tool(
 
 @dataclass
 class ToolStats:
-    """One episode's calls: how many were made and how many failed, by ErrorKind."""
+    """One episode's calls: how many were made and how many failed, by ToolErrorKind."""
 
     calls: int = 0
     errors: Counter[str] = field(default_factory=Counter)
@@ -432,7 +432,7 @@ class ToolBox:
             return self._error(call_id, tool_.name, "exception", text)
         return ToolResult(truncate(to_text(value), self.max_chars), call_id, tool_.name)
 
-    def _error(self, call_id: str, name: str, kind: ErrorKind, text: str) -> ToolResult:
+    def _error(self, call_id: str, name: str, kind: ToolErrorKind, text: str) -> ToolResult:
         self.stats.errors[kind] += 1
         return ToolResult(text, call_id, name, is_error=True, error=kind)
 

@@ -25,7 +25,7 @@ from tandem.eval.local_server import ServerStartError, local_server
 from tandem.eval.lock import run_lock
 from tandem.eval.progress import EvalProgress
 from tandem.eval.resume import resumed_config
-from tandem.eval.runner import Source, load_source, pending_rollouts, run_rollouts
+from tandem.eval.runner import EvalSource, load_source, pending_rollouts, run_rollouts
 from tandem.eval.summary import render_table, summarize_source
 from tandem.eval.traces import read_traces
 from tandem.files import atomic_write_text
@@ -107,7 +107,7 @@ async def _model_id(client: OpenAIClient, config: EvalConfig) -> str:
     return name or served[0]
 
 
-async def _evaluate(config: EvalConfig, base_url: str, sources: list[Source], traces: Path) -> list[dict[str, Any]]:
+async def _evaluate(config: EvalConfig, base_url: str, sources: list[EvalSource], traces: Path) -> list[dict[str, Any]]:
     """Run the rollouts `traces` does not hold yet; every record of the eval back, earlier ones first."""
     records = read_traces(traces)
     todo = pending_rollouts(sources, {record["key"] for record in records})
@@ -135,7 +135,7 @@ def _keep(record: dict[str, Any], records: list[dict[str, Any]], progress: EvalP
     progress.add(record)
 
 
-def _summarize(run_dir: Path, sources: list[Source], records: list[dict[str, Any]]) -> int:
+def _summarize(run_dir: Path, sources: list[EvalSource], records: list[dict[str, Any]]) -> int:
     by_source: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         by_source[record["source"]].append(record)

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Source:
-    """A source ready to run: its config, its taskset and the tasks its `select` picked."""
+class EvalSource:
+    """An eval source ready to run: its config, its taskset and the tasks its `select` picked."""
 
     config: EvalSourceConfig
     taskset: Taskset
@@ -45,7 +45,7 @@ class Source:
         return len(self.tasks) * self.config.rollouts_per_task
 
 
-def load_source(config: EvalSourceConfig) -> Source:
+def load_source(config: EvalSourceConfig) -> EvalSource:
     """Build the taskset and select its tasks; a problem with either is a config error naming the source."""
     try:
         taskset = load_env(config)
@@ -57,12 +57,14 @@ def load_source(config: EvalSourceConfig) -> Source:
             f"source {config.name!r}: taskset {config.id!r} is infinite; bound it with select.limit "
             "(or args.num_tasks, or an include range)"
         )
-    return Source(config, taskset, tasks)
+    return EvalSource(config, taskset, tasks)
 
 
 @dataclass(frozen=True)
-class Rollout:
-    source: Source
+class EvalRollout:
+    """One rollout to run: the `index`-th of `task` from `source` (the index offsets its seed and keys its trace)."""
+
+    source: EvalSource
     task: Task
     index: int
 
@@ -85,7 +87,7 @@ def request_fields(sampling: SamplingConfig, rollout: int) -> dict[str, Any]:
     return {**fields, **sampling.extra}
 
 
-async def run_rollout(client: OpenAIClient, model: str, rollout: Rollout) -> dict[str, Any]:
+async def run_rollout(client: OpenAIClient, model: str, rollout: EvalRollout) -> dict[str, Any]:
     """Roll out, score and describe one rollout as its trace record."""
     task, taskset = rollout.task, rollout.source.taskset
     sampling = request_fields(rollout.source.config.sampling, rollout.index)
@@ -143,7 +145,7 @@ async def run_rollout(client: OpenAIClient, model: str, rollout: Rollout) -> dic
 
 
 async def run_rollouts(
-    rollouts: list[Rollout],
+    rollouts: list[EvalRollout],
     client: OpenAIClient,
     model: str,
     limiter: AdaptiveLimiter,
@@ -156,7 +158,7 @@ async def run_rollouts(
     """
     warned: set[str] = set()
 
-    async def one(rollout: Rollout) -> None:
+    async def one(rollout: EvalRollout) -> None:
         concurrency = limiter.limit
         try:
             record = await run_rollout(client, model, rollout)
@@ -177,10 +179,10 @@ async def run_rollouts(
             group.create_task(one(rollout))
 
 
-def pending_rollouts(sources: list[Source], done: set[str]) -> list[Rollout]:
+def pending_rollouts(sources: list[EvalSource], done: set[str]) -> list[EvalRollout]:
     """Every rollout of every source whose key is not in `done`, source by source, a task's rollouts together."""
     everything = (
-        Rollout(source, task, index)
+        EvalRollout(source, task, index)
         for source in sources
         for task in source.tasks
         for index in range(source.config.rollouts_per_task)

@@ -79,7 +79,7 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def describe(error: ValidationError) -> str:
+def validation_message(error: ValidationError) -> str:
     """A validation error as `field: problem; ...` (the first few)."""
     parts = []
     for item in error.errors(include_url=False)[:6]:
@@ -117,7 +117,7 @@ def refusals() -> Iterator[None]:
     try:
         yield
     except ValidationError as error:
-        raise HTTPError(400, describe(error)) from None
+        raise HTTPError(400, validation_message(error)) from None
     except RequestRefused as error:
         raise HTTPError(error.status, str(error), param=error.param) from None
     except ValueError as error:
@@ -178,7 +178,7 @@ async def parse(request: Request, model: type[M], max_bytes: int, *, msgpack: bo
             return await asyncio.to_thread(validate, body)
         return validate(body)
     except ValidationError as error:
-        raise HTTPError(400, describe(error)) from None
+        raise HTTPError(400, validation_message(error)) from None
     except wire.MsgpackError as error:
         raise HTTPError(400, str(error), param="body") from None
 

@@ -53,7 +53,7 @@ class ServerLimits:
     """Whether the engine can produce text (stop strings, detokenized output): it has a tokenizer."""
     batch: BatchLimits | None = None
     replays_truncation: bool = True
-    """Whether the engine returns the sampling masks that let the trainer replay top-k/top-p/min-p sampling."""
+    """Whether the engine returns the kept ids that let the trainer replay top-k/top-p/min-p sampling."""
     prompt_logprobs: bool = True
     """Whether `/generate` can return prompt logprobs."""
 
@@ -65,7 +65,7 @@ def check_prompt(
     the tokens it may generate (`max_tokens`, or the rest of the context)."""
     if params.truncates and not limits.replays_truncation:
         raise RequestRefused(
-            "vLLM returns no sampling masks, so the trainer cannot replay top-k/top-p/min-p sampling exactly: "
+            "vLLM returns no kept ids, so the trainer cannot replay top-k/top-p/min-p sampling exactly: "
             "sample with top_k 0, top_p 1 and min_p 0, or start the server with `exact_replay = false` "
             "(the trainer then renormalises over the whole vocabulary)",
             param="sampling",

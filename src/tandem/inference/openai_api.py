@@ -37,7 +37,8 @@ from tandem.inference.protocol import (
     Usage,
 )
 
-Sample = TypeVar("Sample", SampleRecord, SampleUpdate)
+RecordOrUpdate = TypeVar("RecordOrUpdate", SampleRecord, SampleUpdate)
+"""A sample whole (non-streaming) or what one update added to it (streaming): `shown` returns the same kind."""
 
 
 def completion_prompt_inputs(body: CompletionRequest) -> list[str | list[int]]:
@@ -67,7 +68,7 @@ def completion_sampling(body: CompletionRequest) -> SamplingParams:
     return body.sampling(max_tokens, body.logprobs or 0).model_copy(update={"prompt_logprobs": prompt_logprobs})
 
 
-def shown(sample: Sample, body: CompletionRequest) -> Sample:
+def shown(sample: RecordOrUpdate, body: CompletionRequest) -> RecordOrUpdate:
     """What a completion choice shows of a sample: all of it, or with max_tokens 0 (an echo that only scores the
     prompt) nothing of the token sampled for it; it then finished by "length" (unless aborted), as vLLM says."""
     if body.max_tokens != 0:
@@ -77,7 +78,7 @@ def shown(sample: Sample, body: CompletionRequest) -> Sample:
         sample,
         token_ids=[],
         logprobs=[],
-        masks=[],
+        encoded_kept_ids=[],
         versions=[],
         top_logprobs=[],
         text="",

@@ -16,7 +16,8 @@ class SampleRecord:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    masks: list[str | None] = field(default_factory=list)
+    encoded_kept_ids: list[str | None] = field(default_factory=list)
+    """Per token, when the request truncates: its kept ids, encoded (`tandem.inference.kept_ids`)."""
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     text: str = ""
@@ -29,7 +30,7 @@ class SampleRecord:
             sample=sample,
             token_ids=self.token_ids[tokens:],
             logprobs=self.logprobs[tokens:],
-            masks=self.masks[tokens:],
+            encoded_kept_ids=self.encoded_kept_ids[tokens:],
             versions=self.versions[tokens:],
             top_logprobs=self.top_logprobs[tokens:],
             text=self.text[chars:text_end],
@@ -40,17 +41,17 @@ class SampleRecord:
     def extend(self, update: SampleUpdate) -> None:
         self.token_ids += update.token_ids
         self.logprobs += update.logprobs
-        self.masks += update.masks
+        self.encoded_kept_ids += update.encoded_kept_ids
         self.versions += update.versions
         self.top_logprobs += update.top_logprobs
         self.text += update.text
         self.finish_reason, self.stop_reason = update.finish_reason, update.stop_reason
 
-    def to_output(self, *, with_masks: bool, with_top: bool) -> SampleOutput:
+    def to_output(self, *, with_kept_ids: bool, with_top: bool) -> SampleOutput:
         return SampleOutput(
             token_ids=self.token_ids,
             logprobs=self.logprobs,
-            masks=self.masks if with_masks else None,
+            masks=self.encoded_kept_ids if with_kept_ids else None,
             versions=self.versions,
             finish_reason=self.finish_reason or "abort",
             stop_reason=self.stop_reason,
@@ -89,7 +90,7 @@ class SampleUpdate:
     sample: int
     token_ids: list[int]
     logprobs: list[float]
-    masks: list[str | None]
+    encoded_kept_ids: list[str | None]
     versions: list[int]
     top_logprobs: list[TopLogprobs]
     text: str
@@ -135,7 +136,9 @@ class Collector:
         scores = self.prompt_logprobs
         return PromptOutput(
             prompt_token_count=prompt_tokens,
-            samples=[s.to_output(with_masks=params.truncates, with_top=params.top_logprobs > 0) for s in self.samples],
+            samples=[
+                s.to_output(with_kept_ids=params.truncates, with_top=params.top_logprobs > 0) for s in self.samples
+            ],
             prompt_logprobs=scores.logprobs if scores else None,
             prompt_top_logprobs=scores.top if scores and params.prompt_logprobs else None,
         )

@@ -123,7 +123,7 @@ class SamplingParams(RequestModel):
 
     @property
     def truncates(self) -> bool:
-        """Whether sampling may drop tokens (and so reports a mask per token)."""
+        """Whether sampling may drop tokens (and so reports the kept ids of every token)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
 
     @property
@@ -132,7 +132,7 @@ class SamplingParams(RequestModel):
         return self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
-# --- /generate: token ids in, token ids, logprobs and masks out (the training-rollout path) ---
+# --- /generate: token ids in, token ids, logprobs and kept ids out (the training-rollout path) ---
 
 
 class GenerateRequest(RequestModel):
@@ -186,7 +186,8 @@ class SampleOutput(WireModel):
     logprobs: list[float]
     """Per token: log-probability under the distribution it was sampled from (docs/inference.md#sampling)."""
     masks: list[str | None] | None
-    """Per token: the kept ids (`tandem.inference.masks`), None where nothing was cut; None if never truncating."""
+    """Per token: its encoded kept ids (`tandem.inference.kept_ids`; the wire keeps the name `masks`), None where
+    nothing was cut; None if never truncating."""
     versions: list[int]
     """Per token: the policy version of the weights that produced it."""
     finish_reason: FinishReason

@@ -1,7 +1,7 @@
 """The request side of the engine: the live requests, and what happens to them as the runner's tokens arrive.
 
 `record` is the update of a step (after the scheduler planned it and the runner executed it): each sampled token
-goes into its sample's record with its logprob, mask and policy version; stop conditions are checked (a stop
+goes into its sample's record with its logprob, kept ids and policy version; stop conditions are checked (a stop
 token, EOS, a stop string, `max_tokens`, the context) and a finished sequence leaves the scheduler; then each
 request that progressed gets its update (streaming ones every step, others once at the end). An update's
 callback runs here, on the engine thread, and one that raises is logged and costs nothing else.
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.inference.masks import encode_mask
+from tandem.inference.kept_ids import encode_kept_ids
 from tandem.inference.outputs import RequestUpdate, TopLogprobs
 from tandem.inference.protocol import FinishReason
 from tandem.inference.scheduler import Request, Scheduler, Sequence
@@ -34,7 +34,7 @@ class Sampled:
     seqs: list[Sequence]
     tokens: list[int]
     logprobs: list[float]
-    kept: list[list[int] | None]
+    kept_ids: list[list[int] | None]
     """Per row, the ids truncated sampling kept; None where it kept the whole vocabulary."""
     top: list[TopLogprobs] | None
     """Per row, the most likely ids and their logprobs, when a row asked for them."""
@@ -101,8 +101,8 @@ class Requests:
             record.logprobs.append(sampled.logprobs[row])
             record.versions.append(sampled.version)
             if params.truncates:
-                ids = sampled.kept[row]
-                record.masks.append(None if ids is None else encode_mask(ids, self.vocab_size))
+                ids = sampled.kept_ids[row]
+                record.encoded_kept_ids.append(None if ids is None else encode_kept_ids(ids, self.vocab_size))
             if params.top_logprobs and sampled.top is not None:
                 record.top_logprobs.append(sampled.top[row][: params.top_logprobs])
             finish = self._finish(seq, token)

@@ -184,7 +184,7 @@ class Runner:
                     sampled = self._read(previous)  # recorded while the GPU runs the step just launched
             else:  # no `previous` here: its sequences, alone in this step, sample the same way again
                 drawn = self.sampler(all_logits, batch)
-                sampled = Sampled(ready, drawn.tokens, drawn.logprobs, drawn.kept, drawn.top, version)
+                sampled = Sampled(ready, drawn.tokens, drawn.logprobs, drawn.kept_ids, drawn.top, version)
         return ready, sampled
 
     def self_check(self) -> None:

@@ -6,14 +6,14 @@ For each row (one sequence's next token) with temperature T > 0, on fp32 logits 
 0. `l += logit_bias - frequency_penalty * c - presence_penalty * (c > 0)`, with `c` the number of times this
    sample has generated each token so far (OpenAI's and vLLM's penalties; the prompt does not count);
 1. `z = l / T`; order tokens by `z`, most likely first (ties in the order the sort returns them);
-2. the kept set is the shortest prefix of that order allowed by all of: top-k (the first k), top-p (the
+2. the kept ids are the shortest prefix of that order allowed by all of: top-k (the first k), top-p (the
    tokens whose exclusive cumulative probability, renormalised over the top-k, is below top_p), min-p (the
    tokens with `p >= min_p * p_max`); at least one token is always kept;
-3. the token is drawn from `softmax(z)` restricted to the kept set, by the Gumbel-max trick with noise
+3. the token is drawn from `softmax(z)` restricted to the kept ids, by the Gumbel-max trick with noise
    computed by hashing (seed, sample index, step, token id): the same seed gives the same token whatever
    else is in the batch, on any device;
 4. its logprob is `z[token] - logsumexp(z[kept])`: the log-probability under the distribution it was drawn
-   from, exactly what `tandem.models.token_logprobs(..., temperature=T, kept_ids=kept)` recomputes (when there
+   from, exactly what `tandem.models.token_logprobs(..., temperature=T, kept_matrix=...)` recomputes (when there
    is no bias or penalty, which the trainer does not know of).
 
 T = 0 is greedy: the argmax of `l` (after step 0; first index on ties), no truncation, logprob under
@@ -193,12 +193,12 @@ def _signed64(seed: int) -> int:
 
 
 @dataclass
-class Sampled:
-    """Host-side result per row."""
+class DrawnTokens:
+    """What `Sampler` drew, per row, read back to the host."""
 
     tokens: list[int]
     logprobs: list[float]
-    kept: list[list[int] | None]  # the kept ids (unordered) where the row truncated, else None
+    kept_ids: list[list[int] | None]  # the kept ids (unordered) where the row truncated, else None
     top: list[list[tuple[int, float]]] | None  # top_width (id, logprob) pairs per row, most likely first
 
 
@@ -206,7 +206,7 @@ def _take(values: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return values if index is None else values[index]
 
 
-def _tempered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """fp32 logits plus the rows' biases and penalties, over each row's temperature (greedy rows: over 1; each
     skipped when no row needs it). Never in place: the logits may be a CUDA graph's output buffer."""
     z = logits.float()
@@ -231,7 +231,7 @@ def _draw_whole_vocab(
         keys = row_keys(_take(batch.seeds, index), _take(batch.samples, index), _take(batch.steps, index))
         sampled = _take(batch.temperature, index) > 0
         return gumbel_max(_take(logits, index), _take(batch.divisor, index), sampled, *keys)
-    z = _take(_tempered(logits, batch), index)
+    z = _take(_adjusted_logits(logits, batch), index)
     pick = z
     if batch.any_sampled_plain:
         ids = torch.arange(z.shape[1], device=z.device)
@@ -250,13 +250,14 @@ class Sampler:
     def __init__(self, triton: bool = False) -> None:
         self.triton = triton
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> Sampled:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> DrawnTokens:
         rows, vocab = logits.shape
-        out = Sampled([0] * rows, [0.0] * rows, [None] * rows, [[] for _ in range(rows)] if batch.top_width else None)
+        top: list[list[tuple[int, float]]] | None = [[] for _ in range(rows)] if batch.top_width else None
+        out = DrawnTokens([0] * rows, [0.0] * rows, [None] * rows, top)
         if batch.plain:
             self._whole_vocab(logits, batch, out)
         if batch.truncated:
-            self._truncated(_tempered(logits, batch), batch, out, vocab)
+            self._truncated(_adjusted_logits(logits, batch), batch, out, vocab)
         return out
 
     def on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,16 +269,16 @@ class Sampler:
             )
         return _draw_whole_vocab(logits, batch, None, self.triton)
 
-    def _whole_vocab(self, logits: torch.Tensor, batch: SamplingBatch, out: Sampled) -> None:
+    def _whole_vocab(self, logits: torch.Tensor, batch: SamplingBatch, out: DrawnTokens) -> None:
         rows = batch.plain
         index = torch.tensor(rows, device=logits.device) if len(rows) < logits.shape[0] else None
         tokens, logprobs = _draw_whole_vocab(logits, batch, index, self.triton)
         top = None
         if batch.top_width:
-            top = _take(_tempered(logits, batch), index).log_softmax(dim=-1).topk(batch.top_width, dim=-1)
+            top = _take(_adjusted_logits(logits, batch), index).log_softmax(dim=-1).topk(batch.top_width, dim=-1)
         self._store(out, rows, tokens, logprobs, top, None, None)
 
-    def _truncated(self, z: torch.Tensor, batch: SamplingBatch, out: Sampled, vocab: int) -> None:
+    def _truncated(self, z: torch.Tensor, batch: SamplingBatch, out: DrawnTokens, vocab: int) -> None:
         rows = batch.truncated
         index = torch.tensor(rows, device=z.device)
         z = z[index]
@@ -286,8 +287,8 @@ class Sampler:
         else:
             values, order = z.sort(dim=-1, descending=True)
         counts = kept_counts(values, batch.top_k[index], batch.top_p[index], batch.min_p[index])
-        keep = torch.arange(values.shape[1], device=z.device) < counts[:, None]
-        masked = values.masked_fill(~keep, float("-inf"))
+        kept_mask = torch.arange(values.shape[1], device=z.device) < counts[:, None]  # over the sorted order
+        masked = values.masked_fill(~kept_mask, float("-inf"))
         noise = gumbel_noise(batch.seeds[index], batch.samples[index], batch.steps[index], order)
         choice = (masked + noise).argmax(dim=-1)
         tokens = order.gather(1, choice[:, None])[:, 0]
@@ -296,30 +297,30 @@ class Sampler:
         width = min(batch.top_width, values.shape[1])
         top = (masked[:, :width], order[:, :width]) if batch.top_width else None
         widest = int(counts.max())
-        kept_flat = order[:, :widest][keep[:, :widest]].tolist()
-        kept, start = [], 0
+        kept_ids_flat = order[:, :widest][kept_mask[:, :widest]].tolist()
+        kept_ids, start = [], 0
         for count in counts.tolist():
-            kept.append(kept_flat[start : start + count] if count < vocab else None)
+            kept_ids.append(kept_ids_flat[start : start + count] if count < vocab else None)
             start += count
-        self._store(out, rows, tokens, logprobs, top, lse, kept)
+        self._store(out, rows, tokens, logprobs, top, lse, kept_ids)
 
     @staticmethod
     def _store(
-        out: Sampled,
+        out: DrawnTokens,
         rows: list[int],
         tokens: torch.Tensor,
         logprobs: torch.Tensor,
         top: tuple[torch.Tensor, torch.Tensor] | None,
         lse: torch.Tensor | None,
-        kept: list[list[int] | None] | None,
+        kept_ids: list[list[int] | None] | None,
     ) -> None:
         """`top`: (values, ids) per row; logprobs, or logits to subtract `lse` from."""
         host_tokens, host_logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()  # one device sync
         for row, token, logprob in zip(rows, host_tokens, host_logprobs, strict=True):
             out.tokens[row], out.logprobs[row] = int(token), logprob
-        if kept is not None:
-            for row, ids in zip(rows, kept, strict=True):
-                out.kept[row] = ids
+        if kept_ids is not None:
+            for row, ids in zip(rows, kept_ids, strict=True):
+                out.kept_ids[row] = ids
         if top is not None and out.top is not None:
             values, ids = top
             logprobs = values if lse is None else values - lse[:, None]

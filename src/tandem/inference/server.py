@@ -262,7 +262,8 @@ class InferenceServer:
         return json_response(ModelList(data=[card]))
 
     async def generate(self, request: Request) -> Response:
-        """Token ids in, token ids, logprobs and masks out; in JSON or msgpack (`Content-Type`, `Accept`)."""
+        """Token ids in, token ids, logprobs and kept ids (the `masks` field) out; in JSON or msgpack
+        (`Content-Type`, `Accept`)."""
         body = await parse(request, GenerateRequest, self.max_body_bytes, msgpack=True)
         self._check_model(body.model)
         params = body.sampling

@@ -23,7 +23,7 @@ from tandem.jsonl import JsonlWriter
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "inference_metrics.jsonl"
+INFERENCE_METRICS_FILE = "inference_metrics.jsonl"
 
 
 def _gib(size: int | None) -> float | None:
@@ -35,7 +35,7 @@ class ServingSummary:
 
     def __init__(self, stats: Callable[[], EngineStats], run_dir: Path) -> None:
         self._stats = stats
-        self._writer = JsonlWriter(run_dir / METRICS_FILE)
+        self._writer = JsonlWriter(run_dir / INFERENCE_METRICS_FILE)
         self._last = (time.monotonic(), stats())
 
     def record(self) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from tandem.inference.limits import RequestRefused
 from tandem.models import (
     RUNTIME_OPTIONS,
     CausalLM,
-    CheckpointError,
     ModelArgs,
+    ModelWeightsError,
     OutsideDirectoryError,
     iter_runtime_tensors,
     model_args,
@@ -110,7 +110,7 @@ def read_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
             tensors[name] = tensor
     except OutsideDirectoryError as error:
         raise ForbiddenWeightsPath(f"cannot load {path}: {error}") from None
-    except (CheckpointError, OSError) as error:
+    except (ModelWeightsError, OSError) as error:
         raise WeightsError(f"cannot load {path}: {error}") from None
     served = {name: tuple(param.shape) for name, param in model.named_parameters()}
     _check_same_model(served, {name: tuple(tensor.shape) for name, tensor in tensors.items()}, path)
@@ -119,7 +119,7 @@ def read_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape over a checkpoint directory's safetensors, from their headers alone;
-    OutsideDirectoryError for a file that links out of the directory, CheckpointError naming a file that is not
+    OutsideDirectoryError for a file that links out of the directory, ModelWeightsError naming a file that is not
     readable safetensors."""
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -138,7 +138,7 @@ def check_checkpoint(path: Path, served_args: ModelArgs, served_shapes: Shapes) 
         shapes = checkpoint_shapes(path)
     except OutsideDirectoryError as error:
         raise ForbiddenWeightsPath(f"cannot load {path}: {error}") from None
-    except (CheckpointError, OSError) as error:
+    except (ModelWeightsError, OSError) as error:
         raise WeightsError(f"cannot load {path}: {error}") from None
     _check_same_model(served_shapes, shapes, path)
 

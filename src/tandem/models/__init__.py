@@ -6,7 +6,7 @@ Imports nothing else from tandem. See docs/models.md.
 from .architecture import Architecture, HFLayout
 from .build import RUNTIME_OPTIONS, build_model, load_model, model_args
 from .checkpoint import (
-    CheckpointError,
+    ModelWeightsError,
     OutsideDirectoryError,
     hf_tensors,
     iter_runtime_tensors,
@@ -16,7 +16,7 @@ from .checkpoint import (
     save_model,
     weight_map,
 )
-from .config import ConfigError, ModelArgs, MoEArgs, RopeArgs, read_hf_config
+from .config import ModelArgs, ModelConfigError, MoEArgs, RopeArgs, read_hf_config
 from .decoder import CausalLM, DecoderBlock
 from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache
 from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
@@ -32,13 +32,13 @@ __all__ = [
     "AttnInputs",
     "CacheBatch",
     "CausalLM",
-    "CheckpointError",
-    "ConfigError",
     "DecoderBlock",
     "HFLayout",
     "KVCache",
     "MoEArgs",
     "ModelArgs",
+    "ModelConfigError",
+    "ModelWeightsError",
     "OutsideDirectoryError",
     "RopeArgs",
     "TokenLogprobs",

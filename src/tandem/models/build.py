@@ -22,10 +22,12 @@ RUNTIME_OPTIONS = (
     "swiglu_backend",
 )
 
-ModelConfig = ModelArgs | Mapping[str, Any] | str | Path
+ModelArgsLike = ModelArgs | Mapping[str, Any] | str | Path
+"""What `model_args` reads a model's shape from: ModelArgs, a `config.json` dict, or a path to a HF directory or
+config file (not the `[model]` section users write, `tandem.config.ModelConfig`)."""
 
 
-def model_args(config: ModelConfig, **runtime: Any) -> ModelArgs:
+def model_args(config: ModelArgsLike, **runtime: Any) -> ModelArgs:
     """ModelArgs from ModelArgs, a `config.json` dict, or a path to a HF directory / config file.
 
     `runtime` sets options HF configs do not have: attn_backend ("auto" | "sdpa" | "flex"), moe_backend
@@ -48,7 +50,7 @@ def _skeleton(args: ModelArgs, dtype: torch.dtype) -> nn.Module:
 
 
 def build_model(
-    config: ModelConfig,
+    config: ModelArgsLike,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
@@ -68,7 +70,7 @@ def build_model(
 
 
 def load_model(
-    path_or_config: ModelConfig,
+    path_or_config: ModelArgsLike,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",

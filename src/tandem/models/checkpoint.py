@@ -45,12 +45,12 @@ TOKENIZER_FILES = (
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-class CheckpointError(ValueError):
+class ModelWeightsError(ValueError):
     """A checkpoint that cannot be loaded: names the file that is unreadable, truncated or not valid safetensors
     or JSON, or the missing, unexpected or mis-shaped tensors."""
 
 
-class OutsideDirectoryError(CheckpointError):
+class OutsideDirectoryError(ModelWeightsError):
     """A file a load would open lies outside the directory it is confined to (through `..`, an absolute path in
     the index, or a symlink)."""
 
@@ -141,22 +141,22 @@ def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _read_index(index: Path) -> dict[str, str]:
-    """The index's tensor name -> file name map, or CheckpointError naming the index."""
+    """The index's tensor name -> file name map, or ModelWeightsError naming the index."""
     try:
         weight_map = json.loads(index.read_bytes())["weight_map"]
     except (ValueError, KeyError, TypeError) as error:  # ValueError covers bad JSON and bad UTF-8
-        raise CheckpointError(f"{index} is not a valid safetensors index ({type(error).__name__}: {error})") from None
+        raise ModelWeightsError(f"{index} is not a valid safetensors index ({type(error).__name__}: {error})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CheckpointError(f"{index}: weight_map is not a mapping of tensor names to file names")
+        raise ModelWeightsError(f"{index}: weight_map is not a mapping of tensor names to file names")
     return weight_map
 
 
 def open_safetensors(file: Path) -> Any:
-    """`safe_open(file)`, or CheckpointError naming the file (missing, truncated, empty or a corrupt header)."""
+    """`safe_open(file)`, or ModelWeightsError naming the file (missing, truncated, empty or a corrupt header)."""
     try:
         return safe_open(file, "pt")
     except Exception as error:  # SafetensorError has no importable base besides Exception
-        raise CheckpointError(f"{file} is not a readable safetensors file: {error}") from None
+        raise ModelWeightsError(f"{file} is not a readable safetensors file: {error}") from None
 
 
 class _Reader:
@@ -177,7 +177,7 @@ class _Reader:
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
-                raise CheckpointError(f"missing weights: no *.safetensors files (or {INDEX_FILE}) in {path}")
+                raise ModelWeightsError(f"missing weights: no *.safetensors files (or {INDEX_FILE}) in {path}")
             self.files = {}
             for file in map(checked, files):
                 with open_safetensors(file) as f:
@@ -191,7 +191,7 @@ class _Reader:
         try:
             return self._open[file].get_tensor(key)
         except Exception as error:  # a shard without the key its index names, or unreadable data
-            raise CheckpointError(f"{file}: cannot read tensor {key}: {error}") from None
+            raise ModelWeightsError(f"{file}: cannot read tensor {key}: {error}") from None
 
 
 def _check_keys(available: set[str], wanted: Mapping[str, Fused], args: ModelArgs, path: Path) -> None:
@@ -207,7 +207,7 @@ def _check_keys(available: set[str], wanted: Mapping[str, Fused], args: ModelArg
             f"{len(unexpected)} unexpected: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}"
         )
     if problems:
-        raise CheckpointError(f"{path} does not match {args.architecture}: " + "; ".join(problems))
+        raise ModelWeightsError(f"{path} does not match {args.architecture}: " + "; ".join(problems))
 
 
 def iter_runtime_tensors(
@@ -241,7 +241,9 @@ def load_weights(
     for name, tensor in iter_runtime_tensors(path, model.args):
         param = params[name]
         if tensor.shape != param.shape:
-            raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+            raise ModelWeightsError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+            )
         if param.is_meta:
             module_name, _, attr = name.rpartition(".")
             value = tensor.to(device=device or "cpu", dtype=dtype or param.dtype)

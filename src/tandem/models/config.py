@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-class ConfigError(ValueError):
+class ModelConfigError(ValueError):
     """A `config.json` that tandem cannot run: says which key is missing or unsupported."""
 
 
@@ -86,11 +86,11 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         if self.attn_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attn_backend {self.attn_backend!r} is not one of {ATTENTION_BACKENDS}")
+            raise ModelConfigError(f"attn_backend {self.attn_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
+            raise ModelConfigError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if isinstance(self.moe_backend, tuple) and len(self.moe_backend) != self.num_layers:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"moe_backend has {len(self.moe_backend)} entries, expected one per layer ({self.num_layers})"
             )
 
@@ -112,20 +112,20 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise ConfigError(f"no config.json at {path}")
+        raise ModelConfigError(f"no config.json at {path}")
     try:
         config = json.loads(file.read_bytes())
     except ValueError as error:  # bad JSON or bad UTF-8
-        raise ConfigError(f"{file} is not valid JSON: {error}") from None
+        raise ModelConfigError(f"{file} is not valid JSON: {error}") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{file} holds a JSON {type(config).__name__}, not an object")
+        raise ModelConfigError(f"{file} holds a JSON {type(config).__name__}, not an object")
     return config
 
 
 def require(hf: Mapping[str, Any], key: str) -> Any:
-    """`hf[key]`, or a ConfigError naming the key and the architecture."""
+    """`hf[key]`, or a ModelConfigError naming the key and the architecture."""
     if hf.get(key) is None:
-        raise ConfigError(f"config.json for {hf.get('architectures')} is missing required key {key!r}")
+        raise ModelConfigError(f"config.json for {hf.get('architectures')} is missing required key {key!r}")
     return hf[key]
 
 
@@ -133,7 +133,7 @@ def parse_dtype(hf: Mapping[str, Any]) -> torch.dtype:
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"config.json dtype {name!r} is not a torch dtype")
+        raise ModelConfigError(f"config.json dtype {name!r} is not a torch dtype")
     return dtype
 
 
@@ -141,12 +141,12 @@ def parse_rope(hf: Mapping[str, Any]) -> RopeArgs:
     """Read RoPE from either config format; reject scaling types whose frequencies depend on the input length."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if any(isinstance(v, Mapping) for v in params.values()):
-        raise ConfigError("per-layer-type rope_parameters are not supported")
+        raise ModelConfigError("per-layer-type rope_parameters are not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+        raise ModelConfigError(f"rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported")
+        raise ModelConfigError("partial_rotary_factor != 1 is not supported")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return RopeArgs(theta=theta)
@@ -155,7 +155,7 @@ def parse_rope(hf: Mapping[str, Any]) -> RopeArgs:
     if factor is None and rope_type == "yarn" and original:
         factor = hf["max_position_embeddings"] / original
     if factor is None:
-        raise ConfigError(f"rope_type {rope_type!r} needs a 'factor'")
+        raise ModelConfigError(f"rope_type {rope_type!r} needs a 'factor'")
     known = {f.name for f in dataclasses.fields(RopeArgs)}
     extra = {k: v for k, v in params.items() if k in known and k not in ("factor", "type") and v is not None}
     extra["original_max_position_embeddings"] = original
@@ -167,9 +167,9 @@ def parse_decoder_args(
 ) -> ModelArgs:
     """The fields every Llama-style decoder shares; the family passes what differs."""
     if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+        raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise ConfigError("sliding-window attention is not supported")
+        raise ModelConfigError("sliding-window attention is not supported")
     hidden, heads = require(hf, "hidden_size"), require(hf, "num_attention_heads")
     return ModelArgs(
         architecture=require(hf, "architectures")[0],

@@ -108,7 +108,7 @@ class CausalLM(nn.Module):
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,
         temperature: float | torch.Tensor = 1.0,
-        kept_ids: torch.Tensor | None = None,
+        kept_matrix: torch.Tensor | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         with_entropy: bool = True,
         nll_sum: bool = False,
@@ -120,9 +120,9 @@ class CausalLM(nn.Module):
         attention_mask: `[B, S]`, 0 for padding (padding never affects real tokens).
         return_hidden: return final hidden states `[B, S, H]` instead of logits.
         targets: return `TokenLogprobs` of these ids (chunked; full logits are never formed) with the given
-            temperature / kept_ids (see `logprobs.token_logprobs`) — the training path. SFT can skip the
+            temperature / kept_matrix (see `logprobs.token_logprobs`) — the training path. SFT can skip the
             entropy with `with_entropy=False`.
-        nll_sum: with targets (temperature 1, no kept_ids), return SFT's summed NLL as a scalar instead, its
+        nll_sum: with targets (temperature 1, no kept_matrix), return SFT's summed NLL as a scalar instead, its
             gradient formed in the same chunked pass (see `nll_sum.fused_nll_sum`).
         head: return `head(hidden [B*S, H], lm_head_weight [V, H])` instead, e.g. RL's fused policy loss
             (`trainer.fused_loss`). Called here, inside the forward, where FSDP has the LM head unsharded.
@@ -142,7 +142,7 @@ class CausalLM(nn.Module):
                 self.lm_head_weight,
                 targets,
                 temperature=temperature,
-                kept_ids=kept_ids,
+                kept_matrix=kept_matrix,
                 chunk_size=chunk_size,
                 with_entropy=with_entropy,
             )

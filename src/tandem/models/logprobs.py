@@ -5,8 +5,8 @@ and autograd keeps several). Here at most one chunk of logits exists at a time, 
 the custom autograd function saves only the inputs and one log-sum-exp (and entropy) per token, and the backward
 recomputes each chunk's logits; its gradient GEMMs run in the model dtype (on CUDA with fp32 accumulation).
 Logits are computed like Hugging Face does (matmul in the model dtype, then fp32), divided by the temperature,
-optionally restricted to a kept-token set (the tokens top-k/top-p sampling could have drawn), and normalised
-over what remains.
+optionally restricted to each token's kept ids (the tokens top-k/top-p/min-p sampling could have drawn), and
+normalised over what remains.
 """
 
 from __future__ import annotations
@@ -26,22 +26,23 @@ class TokenLogprobs(NamedTuple):
     entropy: torch.Tensor | None  # fp32 entropy of the (tempered, renormalised) distribution, or None
 
 
-def _keep_mask(kept_ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Bool `[rows, vocab]` from kept ids `[rows, K]` padded with -1; a row with no ids keeps the whole vocab."""
-    padded = kept_ids.masked_fill(kept_ids < 0, vocab)
-    keep = torch.zeros(kept_ids.shape[0], vocab + 1, dtype=torch.bool, device=kept_ids.device)
-    keep = keep.scatter_(1, padded, True)[:, :vocab]
-    return keep | (kept_ids < 0).all(dim=1, keepdim=True)
+def _kept_mask(kept_matrix: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The kept mask, bool `[rows, vocab]`, of a kept matrix `[rows, K]` (kept ids padded with -1); a row with no
+    ids keeps the whole vocab."""
+    padded = kept_matrix.masked_fill(kept_matrix < 0, vocab)
+    kept_mask = torch.zeros(kept_matrix.shape[0], vocab + 1, dtype=torch.bool, device=kept_matrix.device)
+    kept_mask = kept_mask.scatter_(1, padded, True)[:, :vocab]
+    return kept_mask | (kept_matrix < 0).all(dim=1, keepdim=True)
 
 
 def _chunk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, kept_ids: torch.Tensor | None
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, kept_matrix: torch.Tensor | None
 ) -> torch.Tensor:
-    """Tempered fp32 logits `[rows, vocab]`, -inf outside the kept set; a fresh tensor, modified in place below."""
+    """Tempered fp32 logits `[rows, vocab]`, -inf outside the kept ids; a fresh tensor, modified in place below."""
     z = (hidden @ weight.T).float()
     z = z.div_(temperature[:, None])
-    if kept_ids is not None:
-        z = z.masked_fill_(~_keep_mask(kept_ids, weight.shape[0]), float("-inf"))
+    if kept_matrix is not None:
+        z = z.masked_fill_(~_kept_mask(kept_matrix, weight.shape[0]), float("-inf"))
     return z
 
 
@@ -50,7 +51,7 @@ def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
 
 
-# Entries whose probability is exactly 0 in fp32 (logp below about -104, and -inf outside the kept set) are
+# Entries whose probability is exactly 0 in fp32 (logp below about -104, and -inf outside the kept ids) are
 # clamped here so that `p * logp` is 0 instead of NaN; their contribution is 0 either way.
 _LOGP_FLOOR = -1e4
 
@@ -112,7 +113,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         temperature: torch.Tensor,
-        kept_ids: torch.Tensor | None,
+        kept_matrix: torch.Tensor | None,
         chunk_size: int,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +125,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = hidden.new_zeros(rows, dtype=torch.float32)
         for s in range(0, rows, chunk_size):
             e = min(s + chunk_size, rows)
-            kept = kept_ids[s:e] if kept_ids is not None else None
+            kept = kept_matrix[s:e] if kept_matrix is not None else None
             z = _chunk_logits(hidden[s:e], weight, temperature[s:e], kept)
             scores = _score_chunk(z, safe_targets[s:e], with_entropy, 0)
             del z
@@ -132,7 +133,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if scores.entropy is not None:
                 entropy[s:e] = scores.entropy
         logprobs = logprobs.masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(hidden, weight, safe_targets, valid, temperature, kept_ids, entropy, lse)
+        ctx.save_for_backward(hidden, weight, safe_targets, valid, temperature, kept_matrix, entropy, lse)
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)
         return logprobs, entropy
@@ -141,7 +142,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, targets, valid, temperature, kept_ids, entropy, lse = ctx.saved_tensors
+        hidden, weight, targets, valid, temperature, kept_matrix, entropy, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
@@ -153,7 +154,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         rows, chunk_size = hidden.shape[0], ctx.chunk_size
         for s in range(0, rows, chunk_size):
             e = min(s + chunk_size, rows)
-            kept = kept_ids[s:e] if kept_ids is not None else None
+            kept = kept_matrix[s:e] if kept_matrix is not None else None
             g_lp = grad_logprobs[s:e, None]
             logp = _chunk_logits(hidden[s:e], weight, temperature[s:e], kept).sub_(lse[s:e, None])
             # grad_z = g_logprob * (onehot(target) - p) + g_entropy * (-p * (logp + entropy))
@@ -182,7 +183,7 @@ def token_logprobs(
     targets: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
-    kept_ids: torch.Tensor | None = None,
+    kept_matrix: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = True,
 ) -> TokenLogprobs:
@@ -190,13 +191,13 @@ def token_logprobs(
 
     hidden `[..., H]`, weight `[V, H]`, targets `[...]` (IGNORE_INDEX = -100 gives logprob 0 and no gradient).
     temperature: a float or a tensor broadcastable to `targets` (e.g. one per sample, shape `[B, 1]`).
-    kept_ids `[..., K]`: per token, the ids sampling could draw (padded with -1; all -1 = whole vocabulary);
-    the distribution is renormalised over them, and a target outside its set gets logprob -inf.
+    kept_matrix `[..., K]`: per token, its kept ids, the ids sampling could draw (padded with -1; all -1 = whole
+    vocabulary); the distribution is renormalised over them, and a target outside them gets logprob -inf.
     """
     shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     temps = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device).expand(shape).reshape(-1)
-    kept = kept_ids.reshape(flat_hidden.shape[0], -1) if kept_ids is not None else None
+    kept = kept_matrix.reshape(flat_hidden.shape[0], -1) if kept_matrix is not None else None
     logprobs, entropy = _ChunkedLogprobs.apply(
         flat_hidden, weight, targets.reshape(-1), temps.contiguous(), kept, chunk_size, with_entropy
     )
@@ -264,14 +265,14 @@ def reference_token_logprobs(
     targets: torch.Tensor,
     *,
     temperature: float | torch.Tensor = 1.0,
-    kept_ids: torch.Tensor | None = None,
+    kept_matrix: torch.Tensor | None = None,
 ) -> TokenLogprobs:
     """The same quantities computed the plain way, with full logits; the baseline for tests and benchmarks."""
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)
     logits = (hidden @ weight.T).float() / temperature[..., None]
-    if kept_ids is not None:
-        keep = _keep_mask(kept_ids.reshape(-1, kept_ids.shape[-1]), weight.shape[0]).view(logits.shape)
-        logits = logits.masked_fill(~keep, float("-inf"))
+    if kept_matrix is not None:
+        kept_mask = _kept_mask(kept_matrix.reshape(-1, kept_matrix.shape[-1]), weight.shape[0]).view(logits.shape)
+        logits = logits.masked_fill(~kept_mask, float("-inf"))
     logp = logits.log_softmax(dim=-1)
     valid = targets != IGNORE_INDEX
     picked = logp.gather(-1, targets.masked_fill(~valid, 0)[..., None]).squeeze(-1)

@@ -1,6 +1,6 @@
 """SFT's loss, the summed NLL of the targets, with its gradient computed in the same chunked pass.
 
-`token_logprobs` keeps the backward general (any gradient per token, entropy, temperatures, kept sets), so it
+`token_logprobs` keeps the backward general (any gradient per token, entropy, temperatures, kept ids), so it
 recomputes every chunk of logits in the backward: a fourth LM-head matmul, and its weight gradient in fp32.
 A plain sum has a gradient known up to one scalar, so here each chunk's `softmax - onehot` is formed once, in
 the forward, over the chunk's logits in place, and both gradient matmuls run right away in the model dtype

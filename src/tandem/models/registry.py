@@ -7,7 +7,7 @@ from typing import Any
 
 from . import llama, qwen3, qwen3_moe
 from .architecture import Architecture
-from .config import ConfigError
+from .config import ModelConfigError
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.hf_name: a
@@ -20,10 +20,10 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 
 def get_architecture(hf_config: Mapping[str, Any]) -> Architecture:
-    """The registered architecture for a `config.json` dict, or a ConfigError listing the supported ones."""
+    """The registered architecture for a `config.json` dict, or a ModelConfigError listing the supported ones."""
     names = hf_config.get("architectures") or []
     if len(names) != 1:
-        raise ConfigError(f"config.json must name exactly one architecture, got architectures={names!r}")
+        raise ModelConfigError(f"config.json must name exactly one architecture, got architectures={names!r}")
     if names[0] not in ARCHITECTURES:
-        raise ConfigError(f"unsupported architecture {names[0]!r}; supported: {sorted(ARCHITECTURES)}")
+        raise ModelConfigError(f"unsupported architecture {names[0]!r}; supported: {sorted(ARCHITECTURES)}")
     return ARCHITECTURES[names[0]]

@@ -2,12 +2,12 @@
 
 Position i of a row predicts token i+1, so a sample's completion token j (after p prompt tokens)
 is the target at row position offset + p − 1 + j: that is where its advantage, inference logprob,
-loss weight, temperature, sampling mask and policy version go.
+loss weight, temperature, kept ids and policy version go.
 
-Sampling masks travel compactly (`tandem.transport.batches`): per target position the number of kept ids
-(`kept_counts`, 0: the whole vocabulary), and the kept ids of the whole micro-batch in one flat int32
-tensor (`kept_ids`). A token whose kept set exceeds `MAX_REPLAY_KEPT` cannot be replayed within the cap
-and is taken off the loss (`replay_overflow` counts them).
+Kept ids travel compactly, as CSR (`tandem.transport.batches`): per target position the number of kept ids
+(`KEPT_COUNTS`, 0: the whole vocabulary), and the kept ids of the whole micro-batch in one flat int32 tensor
+(`KEPT_IDS_FLAT`). A token that kept more than `MAX_REPLAY_KEPT` ids cannot be replayed within the cap and is
+taken off the loss (`replay_overflow` counts them).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from tandem.config.orchestrator import MAX_REPLAY_KEPT
 from tandem.packing import balance, first_fit_decreasing
-from tandem.transport.batches import MicroBatch
+from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, MicroBatch
 
 IGNORE_INDEX = -100
 
@@ -48,11 +48,11 @@ def _replayable(kept: list[int] | None) -> bool:
 
 
 def replay_overflow(samples: list[TrainSample]) -> int:
-    """Completion tokens whose kept set is larger than the replay cap (taken off the loss when packed)."""
+    """Completion tokens that kept more ids than the replay cap (taken off the loss when packed)."""
     return sum(not _replayable(kept) for s in samples if s.kept_ids for kept in s.kept_ids)
 
 
-def _empty_row(seq_len: int, with_masks: bool) -> MicroBatch:
+def _empty_row(seq_len: int, with_kept_ids: bool) -> MicroBatch:
     row = {
         "input_ids": torch.zeros(seq_len, dtype=torch.long),
         "position_ids": torch.arange(seq_len),
@@ -63,26 +63,26 @@ def _empty_row(seq_len: int, with_masks: bool) -> MicroBatch:
         "temperatures": torch.ones(seq_len),
         "versions": torch.zeros(seq_len, dtype=torch.long),
     }
-    if with_masks:
-        row["kept_counts"] = torch.zeros(seq_len, dtype=torch.int32)
+    if with_kept_ids:
+        row[KEPT_COUNTS] = torch.zeros(seq_len, dtype=torch.int32)
     return row
 
 
-def _fill_masks(row: MicroBatch, sample: TrainSample, start: int, kept_ids: list[int]) -> None:
+def _fill_kept_ids(row: MicroBatch, sample: TrainSample, start: int, kept_ids_flat: list[int]) -> None:
     """Count each completion token's kept ids at its target position (from `start`) and append them to
-    `kept_ids`; a token over the cap leaves the loss instead."""
+    `kept_ids_flat`; a token over the cap leaves the loss instead."""
     for j, kept in enumerate(sample.kept_ids or ()):
         if not _replayable(kept):
             row["target_ids"][start + j] = IGNORE_INDEX
             row["loss_weights"][start + j] = 0.0
         else:
-            row["kept_counts"][start + j] = len(kept)
-            kept_ids.extend(kept)
+            row[KEPT_COUNTS][start + j] = len(kept)
+            kept_ids_flat.extend(kept)
 
 
 def _fill(row: MicroBatch, samples: list[TrainSample], seq_len: int) -> None:
     offset = 0
-    kept_ids: list[int] = []
+    kept_ids_flat: list[int] = []
     for sample in samples:
         tokens = torch.tensor([*sample.prompt_ids, *sample.completion_ids], dtype=torch.long)
         n, p, c = len(tokens), len(sample.prompt_ids), len(sample.completion_ids)
@@ -95,8 +95,8 @@ def _fill(row: MicroBatch, samples: list[TrainSample], seq_len: int) -> None:
         row["loss_weights"][targets] = sample.weight
         row["temperatures"][targets] = sample.temperature
         row["versions"][targets] = torch.tensor(sample.versions, dtype=torch.long)
-        if "kept_counts" in row:
-            _fill_masks(row, sample, offset + p - 1, kept_ids)
+        if KEPT_COUNTS in row:
+            _fill_kept_ids(row, sample, offset + p - 1, kept_ids_flat)
         if sample.trained is not None:
             context = offset + p - 1 + torch.tensor([not t for t in sample.trained]).nonzero().view(-1)
             row["target_ids"][context] = IGNORE_INDEX
@@ -104,8 +104,8 @@ def _fill(row: MicroBatch, samples: list[TrainSample], seq_len: int) -> None:
         offset += n
     # The padding tail is its own "document" (positions restart), carrying no loss.
     row["position_ids"][offset:] = torch.arange(seq_len - offset)
-    if "kept_counts" in row:
-        row["kept_ids"] = torch.tensor(kept_ids, dtype=torch.int32)
+    if KEPT_COUNTS in row:
+        row[KEPT_IDS_FLAT] = torch.tensor(kept_ids_flat, dtype=torch.int32)
 
 
 def pack_batch(
@@ -120,10 +120,10 @@ def pack_batch(
     bins = first_fit_decreasing([len(s) for s in samples], seq_len)
     unit = world_size * micro_batch_rows
     bins += [[] for _ in range(-len(bins) % unit)]
-    with_masks = any(s.kept_ids for s in samples)
+    with_kept_ids = any(s.kept_ids for s in samples)
     rows = []
     for members in bins:
-        row = _empty_row(seq_len, with_masks)
+        row = _empty_row(seq_len, with_kept_ids)
         _fill(row, [samples[i] for i in members], seq_len)
         rows.append(row)
     per_rank = balance([sum(len(samples[i]) for i in members) for members in bins], world_size)
@@ -139,4 +139,4 @@ def pack_batch(
 
 def _join(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Rows into a micro-batch: `[rows, seq_len]`, except the flat kept ids, concatenated in row order."""
-    return torch.cat(tensors) if name == "kept_ids" else torch.stack(tensors)
+    return torch.cat(tensors) if name == KEPT_IDS_FLAT else torch.stack(tensors)

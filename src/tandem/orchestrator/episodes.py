@@ -3,7 +3,7 @@
 Turn k+1's prompt is turn k's prompt ids, plus the ids the engine generated for turn k, plus the environment's
 answer rendered by the chat template as a suffix and tokenised alone. Earlier turns are never re-tokenised, so
 the trainer scores exactly the tokens the sampler produced; the environment's tokens are context, not targets
-(`Rollout.trained` is False on them).
+(`TokenRollout.trained` is False on them).
 
 Rendering a suffix: chat templates render whole conversations, and some (Qwen3's) render an assistant turn
 differently once a later message follows it, so a conversation's text is not a prefix of the next one's. The
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.envs import Message, Task, Taskset
-from tandem.envs.multiturn import ContextFull, Outcome, run_episode
+from tandem.envs.multiturn import ContextFull, EpisodeOutcome, run_episode
 from tandem.envs.tool_parsers import parser_for
 
-Generate = Callable[[list[int], int], Awaitable[Any]]
-"""`generate(prompt_ids, max_tokens)`: one completion (token_ids, logprobs, versions, finish_reason, kept_ids)."""
+GenerateTokens = Callable[[list[int], int], Awaitable[Any]]
+"""`generate(prompt_ids, max_tokens)`: one completion (token_ids, logprobs, versions, finish_reason, kept_ids), as
+`orchestrator.pool.Completion`; token ids in, unlike the message-level `envs.Generate`."""
 
 _PROBE: Message = {"role": "user", "content": "probe"}
 _PROBE_REPLY = "probe reply"
@@ -108,7 +109,7 @@ class ChatSuffixes:
 
 
 @dataclass
-class Rollout:
+class TokenRollout:
     """One episode at token level: the prompt and every later token, with per-token training fields."""
 
     prompt_ids: list[int]
@@ -120,15 +121,16 @@ class Rollout:
     kept_ids: list[list[int] | None] = field(default_factory=list)
     truncated_replies: bool = False
     """Whether the engine stopped any reply at max_tokens or the context end."""
-    any_masks: bool = False
+    any_kept_ids: bool = False
+    """Whether any reply came with kept ids (its sampling truncated); else `kept_ids` holds only `[]`."""
     turns: int = 0
-    outcome: Outcome = "ok"
+    outcome: EpisodeOutcome = "ok"
     messages: list[Message] = field(default_factory=list)
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
     def add(self, ids: Sequence[int], *, generated: Any | None = None) -> None:
-        """Append context ids, or (`generated`) a completion from the engine with its logprobs and masks."""
+        """Append context ids, or (`generated`) a completion from the engine with its logprobs and kept ids."""
         if generated is None:
             version = self.versions[-1] if self.versions else 0
             self.completion_ids += ids
@@ -142,7 +144,7 @@ class Rollout:
         self.logprobs += generated.logprobs
         self.versions += generated.versions
         if generated.kept_ids is not None:
-            self.any_masks = True
+            self.any_kept_ids = True
             self.kept_ids += generated.kept_ids
         else:
             self.kept_ids += [[] for _ in generated.token_ids]
@@ -152,15 +154,15 @@ class Rollout:
 
 
 async def token_episode(
-    taskset: Taskset, task: Task, suffixes: ChatSuffixes, generate: Generate, max_tokens: int, max_len: int
-) -> Rollout:
+    taskset: Taskset, task: Task, suffixes: ChatSuffixes, generate: GenerateTokens, max_tokens: int, max_len: int
+) -> TokenRollout:
     """Play `task` through `run_episode`, each reply generated from the exact ids of the conversation so far.
 
     `max_tokens` bounds each reply and `max_len` the whole rollout (the trainer's seq_len): a reply or an
     answer that would not fit ends the episode as `truncated` (`ContextFull`).
     """
     prompt = task.messages()
-    rollout = Rollout(prompt_ids=suffixes.prompt_ids(prompt))
+    rollout = TokenRollout(prompt_ids=suffixes.prompt_ids(prompt))
     answered = len(prompt)  # messages already in the ids
     last_reply: list[int] = []
 

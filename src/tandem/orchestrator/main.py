@@ -33,10 +33,10 @@ from tandem.files import atomic_write_text
 from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflow
-from tandem.orchestrator.episodes import ChatSuffixes, Rollout, TemplateSuffixError, token_episode
+from tandem.orchestrator.episodes import ChatSuffixes, TemplateSuffixError, TokenRollout, token_episode
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
-from tandem.orchestrator.tasks import Draw, DrawLedger, Source, TaskSampler, load_sources
+from tandem.orchestrator.tasks import Draw, DrawLedger, TaskSampler, TrainSource, load_sources
 from tandem.run import prepare_run_dir
 from tandem.transport.batches import batch_path, write_batch
 from tandem.transport.policies import prune_policies
@@ -44,10 +44,11 @@ from tandem.transport.weights import PolicyFollower, make_follower
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "orchestrator_metrics.jsonl"
+ORCHESTRATOR_METRICS_FILE = "orchestrator_metrics.jsonl"
 ROLLOUTS_FILE = "rollouts.jsonl"
 STATE_FILE = "orchestrator_state.json"
-PER_STEP_FILES = (METRICS_FILE, ROLLOUTS_FILE)  # per-step JSONL records, cut back to the step a run resumes from
+# per-step JSONL records, cut back to the step a run resumes from
+PER_STEP_FILES = (ORCHESTRATOR_METRICS_FILE, ROLLOUTS_FILE)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Group:
     and results), as `rollouts.jsonl` shows them."""
 
     @property
-    def source(self) -> Source:
+    def source(self) -> TrainSource:
         return self.draw.source
 
     @property
@@ -127,7 +128,7 @@ class Orchestrator:
             metrics.append({**score.metrics, "truncated": float(completion.finish_reason == "length")})
         return Group(draw, prompt_ids, completions, texts, rewards, metrics)
 
-    def suffixes(self, source: Source) -> ChatSuffixes:
+    def suffixes(self, source: TrainSource) -> ChatSuffixes:
         """The chat template's suffixes for a multi-turn source's rollouts, with its tools rendered."""
         if source.name not in self._suffixes:
             taskset = source.taskset
@@ -170,7 +171,7 @@ class Orchestrator:
             for member in range(self.config.group_size)
         ]  # fmt: skip
         try:
-            rollouts: list[Rollout] = await asyncio.gather(*episodes)
+            rollouts: list[TokenRollout] = await asyncio.gather(*episodes)
         except RequestError as error:
             logger.warning("rollout group failed: %s", error)
             self.stats.dropped["error"] += 1
@@ -181,7 +182,7 @@ class Orchestrator:
         completions = [
             Completion(
                 r.completion_ids, r.logprobs, r.versions, "length" if r.outcome == "truncated" else "stop",
-                r.kept_ids if r.any_masks else None, r.trained,
+                r.kept_ids if r.any_kept_ids else None, r.trained,
             )
             for r in rollouts
         ]  # fmt: skip
@@ -447,7 +448,7 @@ class Orchestrator:
         """The per-step record files, without records past the step resumed from."""
         for name in PER_STEP_FILES:
             keep_steps_up_to(self.run_dir / name, resume_step)
-        self._metrics_out = JsonlWriter(self.run_dir / METRICS_FILE)
+        self._metrics_out = JsonlWriter(self.run_dir / ORCHESTRATOR_METRICS_FILE)
         self._rollouts_out = JsonlWriter(self.run_dir / ROLLOUTS_FILE) if self.config.log_samples else None
 
     def _close_step_files(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tandem.client import OpenAIClient, RequestError
 from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig, RolloutSamplingConfig
-from tandem.inference.masks import decode_mask, mask_size
+from tandem.inference.kept_ids import count_kept_ids, decode_kept_ids
 from tandem.inference.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,13 +108,15 @@ class InferencePool:
 
 
 def _completion(sample: SampleOutput) -> Completion:
-    masks = sample.masks
-    kept = None if masks is None or all(m is None for m in masks) else [_kept_set(m) for m in masks]
-    return Completion(sample.token_ids, sample.logprobs, sample.versions, sample.finish_reason, kept)
+    encoded = sample.masks  # the wire's name for the encoded kept ids
+    kept_ids = None
+    if encoded is not None and any(e is not None for e in encoded):  # else no token was truncated
+        kept_ids = [_replayable_kept_ids(e) for e in encoded]
+    return Completion(sample.token_ids, sample.logprobs, sample.versions, sample.finish_reason, kept_ids)
 
 
-def _kept_set(mask: str | None) -> list[int] | None:
-    """One token's kept ids; None for a set too large to replay, which is never listed."""
-    if not mask:
+def _replayable_kept_ids(encoded: str | None) -> list[int] | None:
+    """One token's kept ids ([]: the whole vocabulary); None for more than the trainer replays, never listed."""
+    if not encoded:
         return []
-    return None if mask_size(mask) > MAX_REPLAY_KEPT else decode_mask(mask)
+    return None if count_kept_ids(encoded) > MAX_REPLAY_KEPT else decode_kept_ids(encoded)

@@ -20,7 +20,10 @@ from tandem.envs import Task, Taskset, apply_select, load_env
 
 
 @dataclass
-class Source:
+class TrainSource:
+    """A training source being drawn from: its tasks in `select` order (or, for an infinite selection, a stream
+    read lazily) and `cursor`, the tasks drawn so far, which the sampler's checkpointed state holds."""
+
     name: str
     config: TrainSourceConfig
     taskset: Taskset
@@ -39,7 +42,7 @@ class Source:
         return task
 
 
-def load_sources(configs: list[TrainSourceConfig]) -> list[Source]:
+def load_sources(configs: list[TrainSourceConfig]) -> list[TrainSource]:
     if not configs:
         raise ValueError("no training sources: add an [[orchestrator.source]] block with the env id")
     sources = []
@@ -49,7 +52,7 @@ def load_sources(configs: list[TrainSourceConfig]) -> list[Source]:
         tasks = selected if isinstance(selected, list) else None
         if tasks is not None and not tasks:
             raise ValueError(f"source {index} ({config.id}) selects no tasks")
-        sources.append(Source(f"{config.id}#{index}" if len(configs) > 1 else config.id, config, taskset, tasks))
+        sources.append(TrainSource(f"{config.id}#{index}" if len(configs) > 1 else config.id, config, taskset, tasks))
     return sources
 
 
@@ -58,13 +61,13 @@ class Draw:
     """One draw of the sampler: its index (which seeds the rollouts), the task, and the sampler state before it."""
 
     index: int
-    source: Source
+    source: TrainSource
     task: Task
     state_before: dict[str, Any]
 
 
 class TaskSampler:
-    def __init__(self, sources: list[Source], seed: int):
+    def __init__(self, sources: list[TrainSource], seed: int):
         self.sources, self.seed, self.draws = sources, seed, 0
         self.weights = [source.config.weight for source in sources]
         self.skip: set[int] = set()  # draws a resumed run already settled

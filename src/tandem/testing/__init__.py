@@ -6,9 +6,9 @@ directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
 from tandem.testing.tiny import (
-    ARCHITECTURES,
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
+    TINY_ARCHITECTURES,
     build_tokenizer,
     tiny_config,
     write_tiny_model,
@@ -16,9 +16,9 @@ from tandem.testing.tiny import (
 )
 
 __all__ = [
-    "ARCHITECTURES",
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
+    "TINY_ARCHITECTURES",
     "build_tokenizer",
     "tiny_config",
     "write_tiny_model",

@@ -74,7 +74,7 @@ def wait_for(
             raise Stalled(f"no progress for {stall_s:.0f} s")
 
 
-class Child:
+class WatchedChild:
     """A child started by `spawn`: its stdout and stderr go to files, whose growth (with any change under the
     watched paths) is its progress.
 
@@ -146,12 +146,12 @@ def spawn(
     stall_s: float = STALL_S,
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
-) -> Iterator[Child]:
-    """Start `command` in a session of its own, as a Child whose progress is its output and the files under
+) -> Iterator[WatchedChild]:
+    """Start `command` in a session of its own, as a WatchedChild whose progress is its output and the files under
     `watch`; leaving the block kills whatever is left of its process group."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True)
-        child = Child(process, out, err, [Path(path) for path in watch], stall_s)
+        child = WatchedChild(process, out, err, [Path(path) for path in watch], stall_s)
         try:
             yield child
         finally:

@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 import torch
 
-Architecture = Literal["qwen3", "llama", "qwen3_moe"]
-ARCHITECTURES: tuple[Architecture, ...] = ("qwen3", "llama", "qwen3_moe")
+TinyArchitecture = Literal["qwen3", "llama", "qwen3_moe"]
+"""The families a tiny test model can be built as (the names here, not HF's `tandem.models.ARCHITECTURES`)."""
+TINY_ARCHITECTURES: tuple[TinyArchitecture, ...] = ("qwen3", "llama", "qwen3_moe")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -89,7 +90,7 @@ def write_tokenizer(path: str | Path, vocab_size: int = 512, corpus: tuple[str, 
     return tokenizer.get_vocab_size()
 
 
-def tiny_config(arch: Architecture = "qwen3", vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
+def tiny_config(arch: TinyArchitecture = "qwen3", vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
     """A `config.json` dict for a 2-layer, hidden-64 model with GQA (4 query heads, 2 KV heads)."""
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
@@ -137,14 +138,14 @@ def tiny_config(arch: Architecture = "qwen3", vocab_size: int = 512, **overrides
             "output_router_logits": False,
         }
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHITECTURES}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {TINY_ARCHITECTURES}")
     config.update(overrides)
     return config
 
 
 def write_tiny_model(
     path: str | Path,
-    arch: Architecture = "qwen3",
+    arch: TinyArchitecture = "qwen3",
     seed: int = 0,
     vocab_size: int = 512,
     **config_overrides: Any,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.packing import balance as balance_indices
+from tandem.packing import balance
 from tandem.trainer.data import PackedRow
 
 
@@ -57,9 +57,9 @@ class FakeSteps:
         return [PackedRow(row[:-1], positions, row[1:], loss_mask, self.seq_len) for row in tokens]
 
 
-def balance(rows: list[PackedRow], world_size: int) -> list[list[PackedRow]]:
+def balance_rows(rows: list[PackedRow], world_size: int) -> list[list[PackedRow]]:
     """Rows split over ranks: equal counts, token totals as even as greedy allows."""
-    groups = balance_indices([row.num_real for row in rows], world_size)
+    groups = balance([row.num_real for row in rows], world_size)
     return [[rows[i] for i in group] for group in groups]
 
 

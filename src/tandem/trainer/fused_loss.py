@@ -2,7 +2,7 @@
 
 The policy loss is a per-token weighted sum Σ_t w_t·o_t(log p_t) (`trainer.loss`), so the gradient with respect
 to a chunk's logits is known within that chunk's pass: per chunk, the tempered fp32 logits (matmul in the model
-dtype, as `token_logprobs`), restricted to the token's kept set, give log p of the targets, the log-sum-exp and
+dtype, as `token_logprobs`), restricted to the token's kept ids, give log p of the targets, the log-sum-exp and
 the entropy; `policy_loss` itself, run on the chunk's tokens with log p as a small leaf tensor, gives the
 chunk's loss, metrics and g_t = d loss / d log p_t (one implementation of every loss, shared with the
 reference path); and the logits are overwritten with their gradient g_t·(onehot − p)/T_t, then fed straight
@@ -29,7 +29,7 @@ import torch
 
 from tandem.config.trainer import LossConfig
 from tandem.models.fused_head import fused_head_loss
-from tandem.models.logprobs import _LOGP_FLOOR, IGNORE_INDEX, _keep_mask
+from tandem.models.logprobs import _LOGP_FLOOR, IGNORE_INDEX, _kept_mask
 from tandem.trainer.loss import LossInputs, policy_loss
 
 
@@ -39,28 +39,31 @@ class PolicyTokens:
 
     targets: torch.Tensor  # int64, IGNORE_INDEX (-100) off the loss
     temperatures: torch.Tensor  # fp32, the sampling temperature of each token
-    kept_ids: torch.Tensor | None  # [T, K] int64 ids sampling could draw, padded with -1 (all -1: whole vocab)
+    kept_matrix: torch.Tensor | None  # [T, K] int64 kept ids, padded with -1 (all -1: the whole vocab)
     inference_logprobs: torch.Tensor  # fp32 log q
     advantages: torch.Tensor  # fp32
     weights: torch.Tensor  # fp32, 0 off the loss
 
 
-def _tempered(logits: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits `[rows, V]` divided by each row's temperature, -inf outside the kept set (`_chunk_logits`)."""
+def _tempered_over_kept(
+    logits: torch.Tensor, temperature: torch.Tensor, kept_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 logits `[rows, V]` divided by each row's temperature, -inf outside the kept ids (as `_chunk_logits`,
+    but never in place: the logits are overwritten with their gradient afterwards)."""
     z = logits.float() / temperature[:, None]
-    return z if keep is None else z.masked_fill(~keep, float("-inf"))
+    return z if kept_mask is None else z.masked_fill(~kept_mask, float("-inf"))
 
 
 def _scores(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    keep: torch.Tensor | None,
+    kept_mask: torch.Tensor | None,
     targets: torch.Tensor,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(targets' logprobs, log-sum-exp, entropy or None), each `[rows]` fp32; a target outside its kept set
+    """(targets' logprobs, log-sum-exp, entropy or None), each `[rows]` fp32; a target outside its kept ids
     gets -inf, as in `token_logprobs`."""
-    z = _tempered(logits, temperature, keep)
+    z = _tempered_over_kept(logits, temperature, kept_mask)
     lse = z.logsumexp(dim=-1)
     picked = z.gather(1, targets[:, None]).squeeze(1) - lse
     entropy = None
@@ -73,15 +76,15 @@ def _scores(
 def _logit_grad_(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    keep: torch.Tensor | None,
+    kept_mask: torch.Tensor | None,
     targets: torch.Tensor,
     lse: torch.Tensor,
     grad_logprobs: torch.Tensor,
 ) -> None:
     """Overwrite `logits` with d loss / d logits = g·(onehot(target) − p) / T, g = d loss / d log p per row.
 
-    As in `token_logprobs`' backward, a target outside its kept set (p = 0 there) still gets g / T."""
-    p = (_tempered(logits, temperature, keep) - lse[:, None]).exp()
+    As in `token_logprobs`' backward, a target outside its kept ids (p = 0 there) still gets g / T."""
+    p = (_tempered_over_kept(logits, temperature, kept_mask) - lse[:, None]).exp()
     is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
     logits.copy_((is_target.float() - p) * (grad_logprobs / temperature)[:, None])
 
@@ -100,7 +103,7 @@ def fused_policy_loss(
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """`policy_loss` of the trainer logprobs of `tokens.targets` under `softmax(hidden @ weight.T / T)` over each
-    token's kept set, with its gradient formed in the same chunked pass.
+    token's kept ids, with its gradient formed in the same chunked pass.
 
     hidden `[T, H]`, weight `[V, H]` (inside the model's forward under FSDP, where it is unsharded: pass this
     as `CausalLM.forward(head=...)`). Returns (loss, a 0-d fp32 tensor differentiable in hidden and weight, to be
@@ -119,15 +122,15 @@ def fused_policy_loss(
     scores, logit_grad_ = _compiled() if hidden.is_cuda else (_scores, _logit_grad_)
 
     def chunk_grad(logits: torch.Tensor, s: int, e: int) -> torch.Tensor:
-        keep = None if tokens.kept_ids is None else _keep_mask(tokens.kept_ids[s:e], logits.shape[1])
-        picked, lse, entropy = scores(logits, temperatures[s:e], keep, targets[s:e], with_entropy)
+        kept_mask = None if tokens.kept_matrix is None else _kept_mask(tokens.kept_matrix[s:e], logits.shape[1])
+        picked, lse, entropy = scores(logits, temperatures[s:e], kept_mask, targets[s:e], with_entropy)
         logp = picked.masked_fill(off[s:e], 0.0)
         with torch.enable_grad():
             leaf = logp.requires_grad_()
             chunk = LossInputs(leaf, inference_logprobs[s:e], advantages[s:e], weights[s:e], entropy)
             loss, chunk_metrics = policy_loss(config, chunk)
             (grad_logprobs,) = torch.autograd.grad(loss, leaf)
-        logit_grad_(logits, temperatures[s:e], keep, targets[s:e], lse, grad_logprobs.masked_fill(off[s:e], 0.0))
+        logit_grad_(logits, temperatures[s:e], kept_mask, targets[s:e], lse, grad_logprobs.masked_fill(off[s:e], 0.0))
         logprobs[s:e] = logp.detach()
         for name, value in chunk_metrics.items():
             metrics[name] = metrics[name] + value if name in metrics else value

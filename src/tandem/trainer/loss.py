@@ -1,7 +1,7 @@
 """RL policy losses over per-token trainer and inference logprobs, one interface for every type.
 
 Notation (docs/rl.md): p = π_θ(y_t), the trainer's probability of the sampled token; q = π_infer(y_t),
-the inference server's, both under the same temperature and the same replayed sampling mask;
+the inference server's, both under the same temperature and over the same replayed kept ids;
 r = p / q; A the token's advantage. Every loss is a per-token objective `o_t` reduced as
 Σ_t w_t · o_t, where the orchestrator computes the weights `w_t` for the whole batch (token mean or
 prompt mean), so the result does not depend on how the batch is split into micro-batches and ranks.
@@ -39,8 +39,9 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.exp() - 1 - log_ratio
 
 
-def _kept_and_sides(config: LossConfig, p: torch.Tensor, q: torch.Tensor, ratio: torch.Tensor):
-    """(kept, masked low side, masked high side) as bool tensors; no gradient flows through them."""
+def _unmasked_and_sides(config: LossConfig, p: torch.Tensor, q: torch.Tensor, ratio: torch.Tensor):
+    """(unmasked, masked low side, masked high side) as bool tensors: the tokens ipo/icepop train on and those
+    they mask on each side; no gradient flows through them."""
     if config.type == "ipo":
         low, high = p < q - config.ipo_eps, p > q + config.ipo_eps
     elif config.type == "icepop":
@@ -61,9 +62,9 @@ def policy_loss(config: LossConfig, inputs: LossInputs) -> tuple[torch.Tensor, d
     ratio = log_ratio.exp()
     with torch.no_grad():
         p, q, r = logp.exp(), logq.exp(), ratio.detach()
-        kept, low, high = _kept_and_sides(config, p, q, r)
+        unmasked, low, high = _unmasked_and_sides(config, p, q, r)
     if config.type in ("ipo", "icepop"):
-        objective = -advantages * ratio * kept
+        objective = -advantages * ratio * unmasked
         clipped = torch.zeros_like(r, dtype=torch.bool)
     elif config.type == "ppo":
         clipped_ratio = ratio.clamp(1 - config.ppo_clip, 1 + config.ppo_clip)

@@ -25,14 +25,14 @@ from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import World, init_distributed, shutdown_distributed
 from tandem.trainer.publish import make_publisher
-from tandem.transport.batches import kept_ids_matrix, read_batch, wait_for_batch
+from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, kept_matrix_from_csr, read_batch, wait_for_batch
 
 logger = logging.getLogger(__name__)
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def policy_tokens(micro: dict[str, torch.Tensor], kept: torch.Tensor | None) -> PolicyTokens:
+def policy_tokens(micro: dict[str, torch.Tensor], kept_matrix: torch.Tensor | None) -> PolicyTokens:
     """The micro-batch's per-token loss inputs, flat `[T]`, over every position: off the loss tokens the weight,
     advantage and inference logprob are 0 (the trainer's logprob is 0 there too), so such a position adds exactly
     0 to the loss, its gradient and every metric, and nothing is indexed by a mask (no host sync)."""
@@ -42,7 +42,7 @@ def policy_tokens(micro: dict[str, torch.Tensor], kept: torch.Tensor | None) -> 
     return PolicyTokens(
         targets=targets,
         temperatures=micro["temperatures"].reshape(-1),
-        kept_ids=kept.reshape(targets.numel(), -1) if kept is not None else None,
+        kept_matrix=kept_matrix.reshape(targets.numel(), -1) if kept_matrix is not None else None,
         inference_logprobs=torch.where(on, micro["inference_logprobs"].reshape(-1), zero),
         advantages=torch.where(on, micro["advantages"].reshape(-1), zero),
         weights=torch.where(on, micro["loss_weights"].reshape(-1), zero),
@@ -57,18 +57,20 @@ LAG_NAMES = ("mismatch_kl", *(f"off_policy_kl/lag{lag}" for lag in range(1, LAGS
 def micro_batch_loss(
     model, micro: dict[str, torch.Tensor], config: TrainerConfig, device: torch.device, current_version: int
 ):
-    """Forward one micro-batch: trainer logprobs under the rollouts' temperatures and sampling masks, then the loss.
+    """Forward one micro-batch: trainer logprobs under the rollouts' temperatures and kept ids, then the loss.
 
     The KL estimate between trainer and sampler is split by each token's policy lag (the weights the trainer
     holds, `current_version`, minus the version that sampled it): at lag 0 it is the pure trainer/inference
     mismatch (`mismatch_kl`), at lag k it adds k optimizer steps of policy drift (`off_policy_kl/lag<k>`); over
     all tokens it is `off_policy_kl`.
     """
-    kept = None
-    if "kept_counts" in micro and micro["kept_ids"].numel():  # sampling masks, stored compactly (transport.batches)
-        kept = kept_ids_matrix(micro["kept_counts"], micro["kept_ids"], model.args.vocab_size, device)
-    micro = {name: to_device(tensor, device) for name, tensor in micro.items() if not name.startswith("kept_")}
-    tokens = policy_tokens(micro, kept)
+    kept_matrix = None
+    if KEPT_COUNTS in micro and micro[KEPT_IDS_FLAT].numel():  # kept ids, stored as CSR (transport.batches)
+        kept_matrix = kept_matrix_from_csr(micro[KEPT_COUNTS], micro[KEPT_IDS_FLAT], model.args.vocab_size, device)
+    micro = {
+        name: to_device(tensor, device) for name, tensor in micro.items() if name not in (KEPT_COUNTS, KEPT_IDS_FLAT)
+    }
+    tokens = policy_tokens(micro, kept_matrix)
     loss, metrics, logprobs = _policy_loss(model, micro, tokens, config)
     with torch.no_grad():
         metrics["off_policy_kl"] = metrics.pop("mismatch_kl")
@@ -92,12 +94,13 @@ def _policy_loss(model, micro: dict[str, torch.Tensor], tokens: PolicyTokens, co
             return fused_policy_loss(hidden, weight, tokens, config.loss, chunk_size)
 
         return model(micro["input_ids"], micro["position_ids"], head=head)
+    kept_matrix = tokens.kept_matrix
     out = model(
         micro["input_ids"],
         micro["position_ids"],
         targets=micro["target_ids"],
         temperature=micro["temperatures"],
-        kept_ids=tokens.kept_ids.view(*micro["target_ids"].shape, -1) if tokens.kept_ids is not None else None,
+        kept_matrix=kept_matrix.view(*micro["target_ids"].shape, -1) if kept_matrix is not None else None,
         chunk_size=chunk_size,
     )
     logprobs = out.logprobs.reshape(-1)

@@ -23,7 +23,7 @@ from tandem.files import atomic_write_text
 from tandem.models import ModelArgs
 from tandem.run import claim_run_dir, exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
-from tandem.trainer.batching import DatasetSteps, FakeSteps, balance, single_documents, stack
+from tandem.trainer.batching import DatasetSteps, FakeSteps, balance_rows, single_documents, stack
 from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
 from tandem.trainer.loop import Recipe, StepBatch, build_training, run_steps
 from tandem.trainer.model import export_hf, read_model_args
@@ -141,7 +141,7 @@ class SftRecipe(Recipe):
 
     def batch(self, step: int) -> StepBatch:
         rows = self.steps(step - 1)
-        mine = balance(rows, self.world.world_size)[self.world.rank]
+        mine = balance_rows(rows, self.world.world_size)[self.world.rank]
         size = self.config.micro_batch_size
         micros = [mine[index * size : (index + 1) * size] for index in range(self.micro_steps)]
         loss_tokens = sum(int(row.loss_mask.sum()) for row in rows)

@@ -5,10 +5,10 @@ keyed `rank<r>.micro<m>.<field>`, plus JSON metadata (step, world size, micro-ba
 anything else the orchestrator reports). Safetensors is self-describing and never unpickles; the
 file is written atomically (`tandem.files.atomic_path`), so a reader never sees half a batch.
 
-Sampling masks are stored compressed, as CSR: `kept_counts` `[rows, seq_len]` int32 (the number of ids
-sampling kept at each position; 0: the whole vocabulary) and `kept_ids` `[sum of counts]` int32 (those ids,
-position after position in row-major order). `kept_ids_matrix` rebuilds the `-1`-padded `[rows, seq_len, K]`
-index the model's logprobs take, K being the largest count of that micro-batch only.
+The kept ids of truncated sampling are stored compressed, as CSR: `KEPT_COUNTS` `[rows, seq_len]` int32 (how many
+ids sampling kept at each position; 0: the whole vocabulary) and `KEPT_IDS_FLAT` `[sum of counts]` int32 (those
+ids, position after position in row-major order). `kept_matrix_from_csr` rebuilds the `-1`-padded
+`[rows, seq_len, K]` kept matrix the model's logprobs take, K being the largest count of that micro-batch only.
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ from safetensors.torch import save_file
 from tandem.files import atomic_path
 
 MicroBatch = dict[str, torch.Tensor]
+
+KEPT_COUNTS = "kept_counts"
+"""Micro-batch field (and batch-file key): `[rows, seq_len]` int32, the number of kept ids at each position."""
+KEPT_IDS_FLAT = "kept_ids"
+"""Micro-batch field (and batch-file key): `[sum of counts]` int32, every position's kept ids, flat. The key stays
+`kept_ids`, the name batch files have always used, so a run resumes from the batch files of an earlier version."""
 
 
 class BatchTimeout(TimeoutError):
@@ -69,17 +75,18 @@ def read_batch(root: Path, step: int, rank: int, world_size: int) -> tuple[list[
     return micros, header
 
 
-def kept_ids_matrix(
+def kept_matrix_from_csr(
     counts: torch.Tensor, flat: torch.Tensor, vocab_size: int, device: torch.device | None = None
 ) -> torch.Tensor:
-    """The `[rows, seq_len, K]` int64 kept ids on `device` (padded with -1; a position of all -1 keeps the whole
-    vocabulary) of a micro-batch's CSR masks, as read (on the host). Raises ValueError on masks that do not add
-    up. Built on `device` by a gather whose width is known on the host, so a GPU step does not wait for it."""
+    """The `[rows, seq_len, K]` int64 kept matrix on `device` (kept ids padded with -1; a position of all -1 keeps
+    the whole vocabulary) of a micro-batch's CSR kept ids (`KEPT_COUNTS`, `KEPT_IDS_FLAT`), as read (on the host).
+    Raises ValueError on kept ids that do not add up. Built on `device` by a gather whose width is known on the
+    host, so a GPU step does not wait for it."""
     counts = counts.long()
     if (counts < 0).any() or int(counts.sum()) != flat.numel():
-        raise ValueError(f"sampling masks do not add up: {int(counts.sum())} counted, {flat.numel()} kept ids stored")
+        raise ValueError(f"kept ids do not add up: {int(counts.sum())} counted, {flat.numel()} kept ids stored")
     if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < vocab_size):
-        raise ValueError(f"sampling masks name token ids outside the vocabulary of {vocab_size}")
+        raise ValueError(f"kept ids name token ids outside the vocabulary of {vocab_size}")
     width = max(int(counts.max()) if counts.numel() else 0, 1)
     counts, flat = counts.to(device), flat.to(device, torch.long)
     slots = torch.arange(width, device=counts.device)

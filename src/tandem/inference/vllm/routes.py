@@ -9,7 +9,7 @@ The engine is vLLM's `EngineClient` (`app.state.engine_client`):
 
 - `/generate` runs one vLLM request per prompt (`n` samples each), with logprobs of the sampled tokens as vLLM
   computes them after temperature and truncation (`--logprobs-mode processed_logprobs`) and per-token policy
-  versions from vLLM's weight-version spans. vLLM returns no sampling masks, so `masks` is always null, and a
+  versions from vLLM's weight-version spans. vLLM returns no kept ids, so `masks` is always null, and a
   request that truncates sampling (top-k, top-p, min-p) is refused unless the server was started with
   `exact_replay = false`.
 - `/pause` freezes vLLM's scheduler with requests kept (`pause_generation(mode="keep")`), `/resume` restarts it.
@@ -206,7 +206,7 @@ class TandemRoutes:
         return encoded_response(request, response)
 
     def _limits(self, engine: Any) -> ServerLimits:
-        """What this vLLM server can serve: its model's vocabulary, context and logprob cap; no sampling masks (so
+        """What this vLLM server can serve: its model's vocabulary, context and logprob cap; no kept ids (so
         truncated sampling only without `exact_replay`) and no prompt logprobs on /generate. vLLM schedules a
         request's samples itself, so the built-in engine's batch limits do not apply."""
         config = engine.model_config

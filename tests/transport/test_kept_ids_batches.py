@@ -1,6 +1,6 @@
-"""Replayed sampling masks: stored as CSR (int32 ids + per-position counts), rebuilt into the same `-1`-padded
-matrix the model takes, capped at MAX_REPLAY_KEPT ids a token (top_k above it refused; larger top-p/min-p sets
-leave the loss)."""
+"""Replayed kept ids: stored as CSR (int32 ids + per-position counts), rebuilt into the same `-1`-padded kept
+matrix the model takes, capped at MAX_REPLAY_KEPT ids a token (top_k above it refused; a top-p/min-p token that
+kept more leaves the loss)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tandem.config.orchestrator import MAX_REPLAY_KEPT
 from tandem.config.rl import RlConfig
 from tandem.orchestrator.batching import IGNORE_INDEX, TrainSample, pack_batch, replay_overflow
-from tandem.transport.batches import kept_ids_matrix, read_batch, write_batch
+from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, kept_matrix_from_csr, read_batch, write_batch
 
 SEQ_LEN = 32
 VOCAB = 5000
@@ -22,10 +22,10 @@ def sample(prompt: list[int], kept: list[list[int]] | None) -> TrainSample:
     return TrainSample(prompt, completion, [-1.0] * n, 1.0, 0.1, 1.0, [0] * n, kept)
 
 
-def test_masks_round_trip_compactly_and_rebuild_the_padded_matrix(tmp_path):
+def test_kept_ids_round_trip_compactly_and_rebuild_the_kept_matrix(tmp_path):
     wide = list(range(100, 100 + MAX_REPLAY_KEPT))  # exactly the cap: replayed
     samples = [
-        sample([1, 2], [[5, 9], [], wide]),  # top-k, an untruncated token, a set at the cap
+        sample([1, 2], [[5, 9], [], wide]),  # top-k, an untruncated token, as many ids as the cap
         sample([3], None),  # sampled from the whole vocabulary
         sample([4, 4, 4], [[11]]),
     ]
@@ -33,12 +33,13 @@ def test_masks_round_trip_compactly_and_rebuild_the_padded_matrix(tmp_path):
     write_batch(tmp_path, 1, ranks, {})
     micros, _ = read_batch(tmp_path, 1, 0, 1)
     (micro,) = micros
-    assert micro["kept_ids"].dtype == micro["kept_counts"].dtype == torch.int32
-    assert micro["kept_counts"].shape == micro["target_ids"].shape
-    assert micro["kept_ids"].numel() == 2 + MAX_REPLAY_KEPT + 1  # no padding stored
-    matrix = kept_ids_matrix(micro["kept_counts"], micro["kept_ids"], VOCAB)
+    assert (KEPT_COUNTS, KEPT_IDS_FLAT) == ("kept_counts", "kept_ids")  # batch-file keys: earlier runs' files read
+    assert micro[KEPT_IDS_FLAT].dtype == micro[KEPT_COUNTS].dtype == torch.int32
+    assert micro[KEPT_COUNTS].shape == micro["target_ids"].shape
+    assert micro[KEPT_IDS_FLAT].numel() == 2 + MAX_REPLAY_KEPT + 1  # no padding stored
+    matrix = kept_matrix_from_csr(micro[KEPT_COUNTS], micro[KEPT_IDS_FLAT], VOCAB)
     assert matrix.shape == (*micro["target_ids"].shape, MAX_REPLAY_KEPT)
-    # Each completion token's row of the matrix is its kept set, -1 padded; every other position is all -1.
+    # Each completion token's row of the matrix is its kept ids, -1 padded; every other position is all -1.
     expected = {(5, 9), (), tuple(wide), (11,)}
     rows = {tuple(int(i) for i in row if i >= 0) for row in matrix[micro["target_ids"] != IGNORE_INDEX]}
     assert rows == expected
@@ -48,8 +49,8 @@ def test_masks_round_trip_compactly_and_rebuild_the_padded_matrix(tmp_path):
         assert (row[: len(ids)] >= 0).all()  # ids first, then padding
 
 
-def test_a_kept_set_over_the_cap_leaves_the_loss():
-    huge = list(range(MAX_REPLAY_KEPT + 1))  # a flat top-p / min-p set
+def test_a_token_over_the_cap_leaves_the_loss():
+    huge = list(range(MAX_REPLAY_KEPT + 1))  # a flat top-p / min-p step
     samples = [sample([1, 2], [[5], huge, [6, 8]])]
     assert replay_overflow(samples) == 1
     (micro,) = pack_batch(samples, SEQ_LEN, world_size=1)[0]
@@ -57,16 +58,16 @@ def test_a_kept_set_over_the_cap_leaves_the_loss():
     # completion token j is the target at position p - 1 + j = 1 + j
     assert targets[1:4].tolist() == [5, IGNORE_INDEX, 6]
     assert weights[1:4].tolist() == pytest.approx([0.1, 0.0, 0.1])
-    assert micro["kept_counts"][0, 1:4].tolist() == [1, 0, 2]
-    assert micro["kept_ids"].tolist() == [5, 6, 8]
+    assert micro[KEPT_COUNTS][0, 1:4].tolist() == [1, 0, 2]
+    assert micro[KEPT_IDS_FLAT].tolist() == [5, 6, 8]
 
 
-def test_masks_that_do_not_add_up_are_refused():
+def test_kept_ids_that_do_not_add_up_are_refused():
     counts = torch.tensor([[2, 1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="do not add up: 3 counted, 2 kept ids stored"):
-        kept_ids_matrix(counts, torch.tensor([1, 2], dtype=torch.int32), VOCAB)
+        kept_matrix_from_csr(counts, torch.tensor([1, 2], dtype=torch.int32), VOCAB)
     with pytest.raises(ValueError, match="outside the vocabulary of 5000"):
-        kept_ids_matrix(counts, torch.tensor([1, 2, VOCAB], dtype=torch.int32), VOCAB)
+        kept_matrix_from_csr(counts, torch.tensor([1, 2, VOCAB], dtype=torch.int32), VOCAB)
 
 
 def _rl(top_k: int, **inference) -> RlConfig:
@@ -78,25 +79,25 @@ def test_top_k_above_the_replay_cap_is_a_config_error_naming_the_field():
     assert _rl(MAX_REPLAY_KEPT).orchestrator.source[0].sampling.top_k == MAX_REPLAY_KEPT
     with pytest.raises(ValueError, match=r"orchestrator\.source\[0\]\.sampling\.top_k = 2049 is above 2048"):
         _rl(MAX_REPLAY_KEPT + 1)
-    # vLLM without exact replay sends no masks: nothing is replayed, nothing to cap
+    # vLLM without exact replay sends no kept ids: nothing is replayed, nothing to cap
     assert _rl(MAX_REPLAY_KEPT + 1, engine="vllm", exact_replay=False).inference.exact_replay is False
 
 
-def test_a_set_over_the_cap_is_counted_not_listed_when_a_rollout_arrives():
-    from tandem.inference.masks import encode_mask, mask_size
+def test_kept_ids_over_the_cap_are_counted_not_listed_when_a_rollout_arrives():
+    from tandem.inference.kept_ids import count_kept_ids, encode_kept_ids
     from tandem.inference.protocol import SampleOutput
     from tandem.orchestrator.pool import _completion
 
     flat = range(0, 2 * MAX_REPLAY_KEPT, 2)  # more ids than the cap: a bitmap on the wire
-    masks = [encode_mask([3, 1], VOCAB), None, encode_mask(flat, VOCAB)]
-    assert masks[2].startswith("b") and mask_size(masks[2]) == MAX_REPLAY_KEPT
-    masks[2] = encode_mask([*flat, 4001], VOCAB)
-    assert [mask_size(m) for m in (masks[0], masks[2])] == [2, MAX_REPLAY_KEPT + 1]
-    output = SampleOutput(token_ids=[3, 7, 4001], logprobs=[-1.0] * 3, masks=masks, versions=[0] * 3, finish_reason="stop")
+    encoded = [encode_kept_ids([3, 1], VOCAB), None, encode_kept_ids(flat, VOCAB)]
+    assert encoded[2].startswith("b") and count_kept_ids(encoded[2]) == MAX_REPLAY_KEPT
+    encoded[2] = encode_kept_ids([*flat, 4001], VOCAB)
+    assert [count_kept_ids(e) for e in (encoded[0], encoded[2])] == [2, MAX_REPLAY_KEPT + 1]
+    output = SampleOutput(token_ids=[3, 7, 4001], logprobs=[-1.0] * 3, masks=encoded, versions=[0] * 3, finish_reason="stop")
     completion = _completion(output)
     assert completion.kept_ids == [[1, 3], [], None]
     samples = [TrainSample([1], completion.token_ids, completion.logprobs, 1.0, 0.1, 1.0, [0] * 3, completion.kept_ids)]
     assert replay_overflow(samples) == 1
     (micro,) = pack_batch(samples, SEQ_LEN, world_size=1)[0]
     assert micro["target_ids"][0, :3].tolist() == [3, 7, IGNORE_INDEX]
-    assert micro["kept_counts"][0, :3].tolist() == [2, 0, 0] and micro["kept_ids"].tolist() == [1, 3]
+    assert micro[KEPT_COUNTS][0, :3].tolist() == [2, 0, 0] and micro[KEPT_IDS_FLAT].tolist() == [1, 3]
