@@ -38,6 +38,7 @@ ALLOWED: dict[str, tuple[str, ...] | str] = {
     "checkpoints": (),
     "packing": (),
     "wire": (),
+    "hub": ("config",),
     "jsonl": ("files",),
     "run": ("config", "files"),
     "client": ("config", "wire"),

@@ -18,7 +18,9 @@ MoeBackend = Literal["loop", "grouped_mm"]
 
 class ModelConfig(Section):
     name: str = ""
-    """Hugging Face model directory (config.json + safetensors + tokenizer files) or hub id."""
+    """Hugging Face model directory (config.json + safetensors + tokenizer files) or Hub id (`Qwen/Qwen3-0.6B`, fetched into the Hugging Face cache once)."""
+    revision: str = ""
+    """With a Hub id: the branch, tag or commit to fetch (default: main)."""
     dtype: Dtype = "bfloat16"
     """Parameter dtype the model runs in."""
     attn_backend: Literal["auto", "sdpa", "flex"] = "auto"

@@ -42,8 +42,7 @@ def _model_dir(config: InferenceConfig) -> Path:
     path = Path(config.model.name).expanduser()
     if not path.is_dir():
         raise ConfigError(
-            f"model `{config.model.name}` is not a local directory (the server never downloads from a hub; "
-            "download the model first and pass its directory)"
+            f"model `{config.model.name}` is not a local directory, nor a Hugging Face Hub id (`org/name`)"
         )
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} has no config.json; is it a Hugging Face model directory?")
