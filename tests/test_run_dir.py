@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from support.jsonl import read_metrics
-from support.runs import tandem_sft
+from support.runs import tandem_sft, write_rl_sources
 from tandem.cli import main
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.rl import RlConfig
@@ -86,8 +86,7 @@ def test_sft_and_rl_refuse_before_touching_the_earlier_run(tmp_path, tiny_model_
     run_dir = earlier_run(tmp_path / "run")
     before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
     args = [command, "--model", str(tiny_model_dir("qwen3")), "--output-dir", str(tmp_path), "--run-name", "run"]
-    if command == "sft":
-        args += ["--data.fake"]
+    args += ["--data.fake"] if command == "sft" else ["@", write_rl_sources(tmp_path)]
     try:
         assert main(args) == 2
     finally:
@@ -116,3 +115,9 @@ def test_an_output_dir_that_is_a_file_is_a_config_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"cannot create the run directory .*file/run: Not a directory"):
         prepare_run_dir(SftConfig(output_dir=tmp_path / "file", run_name="run"))
+
+
+def test_rl_without_sources_is_a_config_error_before_anything_starts(tmp_path, tiny_model_dir, capsys):
+    assert main(["rl", "--model", str(tiny_model_dir("qwen3")), "--output-dir", str(tmp_path)]) == 2
+    assert "no training sources" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

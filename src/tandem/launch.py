@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.checkpoints import checkpoints_root
-from tandem.config import RunConfig, to_toml
+from tandem.config import ConfigError, RunConfig, to_toml
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig, RlDeployConfig
 from tandem.files import atomic_write_text
@@ -233,6 +233,8 @@ class ChildFailed(RuntimeError):
 def run_rl(config: RlConfig) -> int:
     """The `tandem rl` runner."""
     read_model_args(config.trainer)  # a bad model path is one line here, not a child's failure after start-up
+    if not config.orchestrator.source:
+        raise ConfigError("no training sources: add an [[orchestrator.source]] block with the env id")
     config, memory_plan = split_shared_gpu(config)  # one GPU for both: a split that cannot fit fails here
     claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
     prepare_run_dir(config, "rl")
