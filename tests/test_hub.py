@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
 
+from support.fake_hub import FakeHub
 from support.runs import tandem_rl, write_rl_sources
+from support.servers import AppThread
 from tandem.config import ConfigError, load_config
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig
@@ -118,3 +121,42 @@ def test_tandem_rl_runs_on_a_hub_id(hub_cache, tiny_model_dir, tmp_path):
         assert f'name = "{snapshot}"' in (run_dir / f"{process}.toml").read_text(), process
     assert json.loads((run_dir / "server.json").read_text())["model"] == "acme/tiny"
     assert "model acme/tiny:" in result.stderr
+
+
+@pytest.fixture
+def fake_hub(hub_cache, monkeypatch) -> Iterator[FakeHub]:
+    """A loopback Hub that `HF_ENDPOINT` points at, online (this process only: huggingface_hub read the
+    endpoint at import)."""
+    hub = FakeHub()
+    with AppThread(hub.app()) as server:
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(
+            huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
+        yield hub
+
+
+def test_a_download_fetches_safetensors_config_and_tokenizer_and_never_a_pickle(fake_hub, tiny_model_dir, tmp_path):
+    files = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir("qwen3"), files)
+    (files / "pytorch_model.bin").write_bytes(b"a pickle that must never be fetched")
+    (files / "README.md").write_text("# a model card\n")
+    repo = fake_hub.add("acme/tiny", files)
+    path = fetch("acme/tiny")
+    assert path.parts[-2:] == ("snapshots", repo.commit)
+    fetched = sorted(p.name for p in path.iterdir())
+    assert "pytorch_model.bin" not in fetched and "README.md" not in fetched
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(fetched)
+    assert all(not name.endswith((".bin", ".md")) for name in fake_hub.served)
+    assert (path / "model.safetensors").read_bytes() == (files / "model.safetensors").read_bytes()
+
+
+def test_missing_and_gated_repos_are_one_line_errors(fake_hub, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    fake_hub.add("acme/gated", tiny_model_dir("qwen3"), gated=True)
+    with pytest.raises(ConfigError, match="no Hugging Face repo of that id"):
+        fetch("acme/absent")
+    with pytest.raises(ConfigError, match="gated repo: accept its terms"):
+        fetch("acme/gated")
