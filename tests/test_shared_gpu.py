@@ -36,8 +36,9 @@ def write_shape(path: Path, **shape) -> Path:
 
 
 def rl_config(model: Path, **sections) -> RlConfig:
+    """A named run: the default run name holds the time, so two configs built a second apart would differ."""
     return RlConfig.model_validate(
-        {"model": {"name": str(model)}, "seq_len": 4096, "trainer": {"random_init": True}, **sections}
+        {"model": {"name": str(model)}, "seq_len": 4096, "run_name": "rl", "trainer": {"random_init": True}, **sections}
     )
 
 
