@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.checkpoints import checkpoints_root
-from tandem.config import ConfigError, RunConfig, to_toml
+from tandem.config import RunConfig, to_toml
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig, RlDeployConfig
 from tandem.files import atomic_write_text
 from tandem.jsonl import keep_steps_up_to
 from tandem.net import is_loopback
 from tandem.orchestrator.main import PER_STEP_FILES
+from tandem.orchestrator.tasks import require_sources
 from tandem.run import claim_run_dir, log_tail, prepare_run_dir
 from tandem.shared_gpu import split_shared_gpu
 from tandem.trainer.ckpt import resolve_resume
@@ -233,8 +234,7 @@ class ChildFailed(RuntimeError):
 def run_rl(config: RlConfig) -> int:
     """The `tandem rl` runner."""
     read_model_args(config.trainer)  # a bad model path is one line here, not a child's failure after start-up
-    if not config.orchestrator.source:
-        raise ConfigError("no training sources: add an [[orchestrator.source]] block with the env id")
+    require_sources(config.orchestrator.source)
     config, memory_plan = split_shared_gpu(config)  # one GPU for both: a split that cannot fit fails here
     claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
     prepare_run_dir(config, "rl")

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.config import ConfigError
 from tandem.config.orchestrator import TrainSourceConfig
 from tandem.envs import Task, Taskset, apply_select, load_env
 
@@ -42,9 +43,14 @@ class TrainSource:
         return task
 
 
-def load_sources(configs: list[TrainSourceConfig]) -> list[TrainSource]:
+def require_sources(configs: list[TrainSourceConfig]) -> None:
+    """ConfigError for a run with nothing to train on; `tandem rl` checks it before it starts any process."""
     if not configs:
-        raise ValueError("no training sources: add an [[orchestrator.source]] block with the env id")
+        raise ConfigError("no training sources: add an [[orchestrator.source]] block with the env id")
+
+
+def load_sources(configs: list[TrainSourceConfig]) -> list[TrainSource]:
+    require_sources(configs)
     sources = []
     for index, config in enumerate(configs):
         taskset = load_env(config)
