@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from tandem import __version__
 from tandem.config import load_config, to_toml
 from tandem.config.help import render_help
-from tandem.hub import resolve_models
+from tandem.hub import hub_models, resolve_models
 from tandem.run import exit_code, setup_logging
 
 
@@ -110,11 +110,11 @@ def run_command(command: Command, argv: list[str]) -> int:
     if command_line.dry_run:
         sys.stdout.write(to_toml(config))
         return 0
-    if not (command.name == "eval" and getattr(config, "base_url", None)):  # there `model` names a served model
-        weights = command.name != "orchestrator" and not getattr(config, "random_init", False)
+    serves_by_name = command.name == "eval" and getattr(config, "base_url", None)  # `model`: a name the server serves
+    if not serves_by_name and hub_models(config):
         log = getattr(config, "log", None)
         setup_logging(log.level if log is not None else "info")  # a Hub fetch logs before the run directory exists
-        resolve_models(config, weights=weights)
+        resolve_models(config, weights=command.name != "orchestrator" and not getattr(config, "random_init", False))
     return int(command.runner_function()(config) or 0)
 
 

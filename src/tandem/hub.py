@@ -106,16 +106,23 @@ def resolve_models(config: Section, *, weights: bool = True) -> None:
     (id, revision) once. A section that serves the model under a name (`served_model_name`) and has none set
     takes the Hub id, so clients request `Qwen/Qwen3-0.6B` and not a cache path."""
     resolved: dict[tuple[str, str], Path] = {}
-    for section in _sections(config):
-        model = getattr(section, "model", None)
-        if not isinstance(model, ModelConfig) or not is_hub_id(model.name):
-            continue
+    for section, model in hub_models(config):
         key = (model.name, model.revision)
         if key not in resolved:
             resolved[key] = fetch(model.name, model.revision, weights=weights)
         if getattr(section, "served_model_name", None) == "":
             section.served_model_name = model.name
         model.name = str(resolved[key])
+
+
+def hub_models(config: Section) -> list[tuple[Section, ModelConfig]]:
+    """Every (section, its `model`) in `config` whose `model.name` is a Hub id."""
+    found = []
+    for section in _sections(config):
+        model = getattr(section, "model", None)
+        if isinstance(model, ModelConfig) and is_hub_id(model.name):
+            found.append((section, model))
+    return found
 
 
 def _sections(section: Section) -> list[Section]:
