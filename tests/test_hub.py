@@ -42,7 +42,8 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))  # read once, at import
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))  # both read once, at import
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return cache
 
 

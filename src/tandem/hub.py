@@ -15,7 +15,6 @@ the servers and the orchestrator read one revision even if the repo moves on whi
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -41,15 +40,10 @@ def is_hub_id(name: str) -> bool:
     return bool(name) and not Path(name).expanduser().exists() and _HUB_ID.fullmatch(name) is not None and ".." not in name
 
 
-def _offline() -> bool:
-    """`HF_HUB_OFFLINE`, read when asked (huggingface_hub reads it once, at import)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def fetch(repo_id: str, revision: str = "", *, weights: bool = True, cache_dir: Path | None = None) -> Path:
     """The local snapshot directory of `repo_id` at `revision` (default: the main branch), downloaded into the
     Hugging Face cache if it is not there; ConfigError, saying what to do, for every way that can fail."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -58,7 +52,7 @@ def fetch(repo_id: str, revision: str = "", *, weights: bool = True, cache_dir: 
         RevisionNotFoundError,
     )
 
-    offline = _offline()
+    offline = constants.HF_HUB_OFFLINE  # HF_HUB_OFFLINE, as huggingface_hub read it
     at = f"{repo_id}@{revision}" if revision else repo_id
     patterns = CONFIG_FILES + TOKENIZER_FILES + (WEIGHT_FILES if weights else [])
     if not offline:
