@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # the tandem the runs use
+
+from tandem.jsonl import read_records  # noqa: E402
+from tandem.testing.progress import run_while_progressing  # noqa: E402
+from tandem.testing.tiny import write_tiny_model  # noqa: E402
+
 LOSSES = {
     "ipo-0.1": {"type": "ipo", "ipo_eps": 0.1},
     "ipo-0.2": {"type": "ipo", "ipo_eps": 0.2},
@@ -88,8 +93,6 @@ class Result:
 
 
 def records(path: Path) -> list[dict[str, Any]]:
-    from tandem.jsonl import read_records
-
     return list(read_records(path)) if path.is_file() else []
 
 
@@ -112,7 +115,7 @@ def run_one(run: Run, args: argparse.Namespace, model_dir: Path, work: Path) -> 
         "--trainer.optim.lr", str(args.lr), "--orchestrator.log-samples", "0", *loss,
     ]  # fmt: skip
     began = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout_s)
+    done = run_while_progressing(command, watch=[work / run.name], cwd=ROOT)  # bounded by progress, not a clock
     result.seconds = time.monotonic() - began
     if done.returncode:
         result.error = f"exit {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-3:])[-400:]
@@ -186,16 +189,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-2)
     parser.add_argument("--hidden", type=int, default=64, help="the model's hidden size (GPU: a larger model)")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--run-timeout-s", type=float, default=600)
     parser.add_argument("--out-dir", type=Path, help="write results.json and the plots here")
     parser.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     args = parser.parse_args()
     if args.smoke:
         args.losses, args.async_levels, args.mismatch, args.steps = ["ipo-0.3", "icepop"], [1], ["bf16"], 3
     runs = [Run(loss, level, mismatch) for mismatch in args.mismatch for level in args.async_levels for loss in args.losses]
-    sys.path.insert(0, str(ROOT / "src"))
-    from tandem.testing.tiny import write_tiny_model
-
     with tempfile.TemporaryDirectory(prefix="ipo-study-") as tmp:
         work = args.work_dir or Path(tmp)
         heads = max(4, args.hidden // 64)
