@@ -12,9 +12,13 @@ from tandem.config.training import TrainingRunConfig
 
 class SftDataConfig(Section):
     path: str = ""
-    """Local JSONL file (`prompt`/`completion` or chat `messages` rows) or a Hugging Face dataset name."""
-    split: str = "train"
-    """Split to read when `path` is a Hugging Face dataset."""
+    """Local JSONL file (`prompt`/`completion` or chat `messages` rows), a local dataset directory (`save_to_disk` output, or parquet/JSONL/CSV files), or a Hugging Face Hub dataset id (`org/name`, fetched into the Hugging Face cache once); the last two need `pip install 'tandem[datasets]'`."""
+    split: str = Field("train", min_length=1)
+    """With a dataset directory or Hub dataset: the split to read."""
+    subset: str = ""
+    """With a dataset of several subsets (configurations; `datasets.load_dataset`'s `name`): the one to read."""
+    revision: str = ""
+    """With a Hub dataset id: the branch, tag or commit to read (default: main)."""
     fake: bool = False
     """Random token rows of seq_len instead of a dataset (benchmarking; no tokenizer needed)."""
     pack: bool = True
