@@ -7,11 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.model_parity import HF_REFERENCE
 from support.tiny_models import quiet_transformers  # noqa: F401 (autouse for this directory)
-
-# The plain transformers implementations as the reference: eager attention and the per-expert loop (some
-# transformers versions default to a grouped_mm experts kernel that disagrees with their own loop on CPU).
-HF_REFERENCE = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager"}
 
 
 @pytest.fixture(scope="session")

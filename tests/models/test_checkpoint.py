@@ -8,10 +8,9 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
+from support.model_parity import disk_tensors, hf_load
 from tandem.models import (
     ModelConfigError,
     ModelWeightsError,
@@ -25,27 +24,12 @@ from tandem.testing import tiny_config, write_tiny_model
 from tandem.testing.tiny import TINY_ARCHITECTURES as ARCHS
 
 
-def _disk_tensors(path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
-    return out
-
-
-def _hf_load(path, **kw):
-    kw = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager", **kw}
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kw)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transformers_dir_round_trips_unchanged(arch, model_dir, tmp_path):
     """HF dir -> tandem -> save: same keys, shapes and values on disk; transformers loads it with no warnings."""
     src = model_dir(arch)
     out = save_model(load_model(src), tmp_path / "saved")
-    original, saved = _disk_tensors(src), _disk_tensors(out)
+    original, saved = disk_tensors(src), disk_tensors(out)
     assert sorted(saved) == sorted(original)
     for key, tensor in original.items():
         assert saved[key].dtype == tensor.dtype and torch.equal(saved[key], tensor), key
@@ -53,10 +37,10 @@ def test_transformers_dir_round_trips_unchanged(arch, model_dir, tmp_path):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config == json.loads((src / "config.json").read_text())
-    reloaded = _hf_load(out)
+    reloaded = hf_load(out)
     ids = torch.randint(3, 500, (1, 8))
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, _hf_load(src)(ids).logits, atol=0, rtol=0)
+        torch.testing.assert_close(reloaded(ids).logits, hf_load(src)(ids).logits, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -64,7 +48,7 @@ def test_tandem_model_round_trips_through_transformers(arch, tmp_path):
     """Random tandem model -> save -> transformers (same logits) -> save_pretrained -> tandem (same weights)."""
     model = build_model(tiny_config(arch, initializer_range=0.1), seed=0).eval()
     save_model(model, tmp_path / "ours")
-    hf = _hf_load(tmp_path / "ours")
+    hf = hf_load(tmp_path / "ours")
     ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(ids) - hf(ids).logits).abs().max().item()
@@ -85,7 +69,7 @@ def test_sharded_save_writes_index_and_loads_both_ways(model_dir, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {s.name for s in shards}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in hf_tensors(model))
-    _hf_load(out)
+    hf_load(out)
     back = load_model(out)
     for name, tensor in back.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
@@ -96,10 +80,10 @@ def test_bf16_save_and_load(model_dir, tmp_path):
     out = save_model(model, tmp_path / "bf16", dtype=torch.bfloat16)
     config = json.loads((out / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
-    assert {t.dtype for t in _disk_tensors(out).values()} == {torch.bfloat16}
+    assert {t.dtype for t in disk_tensors(out).values()} == {torch.bfloat16}
     back = load_model(out)
     assert back.embed_tokens.weight.dtype == torch.bfloat16
-    hf = _hf_load(out, dtype=torch.bfloat16)
+    hf = hf_load(out, dtype=torch.bfloat16)
     torch.testing.assert_close(hf.model.embed_tokens.weight, back.embed_tokens.weight, atol=0, rtol=0)
     fp32 = load_model(out, dtype=torch.float32)
     assert fp32.lm_head.weight.dtype == torch.float32
@@ -129,7 +113,7 @@ def test_meta_build_then_materialise(model_dir):
 def test_stacked_experts_checkpoint_loads(model_dir, tmp_path):
     """A checkpoint that stores experts stacked (transformers' in-memory layout) loads to the same model."""
     src = model_dir("qwen3_moe")
-    tensors = _disk_tensors(src)
+    tensors = disk_tensors(src)
     stacked = {}
     for key, tensor in tensors.items():
         if ".mlp.experts." not in key:
@@ -151,7 +135,7 @@ def test_stacked_experts_checkpoint_loads(model_dir, tmp_path):
 
 def test_missing_and_unexpected_weights_are_named(model_dir, tmp_path):
     src = model_dir("llama")
-    tensors = _disk_tensors(src)
+    tensors = disk_tensors(src)
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     tensors["model.layers.1.extra.weight"] = torch.zeros(1)
     (tmp_path / "bad").mkdir()
@@ -189,7 +173,7 @@ def test_config_variants_match_and_round_trip(variant, tmp_path):
     """Biases (randomised: transformers initialises them to zero) and mixed dense/MoE layers."""
     arch, overrides = VARIANTS[variant]
     src = write_tiny_model(tmp_path / "src", arch, initializer_range=0.1, **overrides)
-    hf = _hf_load(src)
+    hf = hf_load(src)
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if name.endswith(".bias"):
@@ -199,7 +183,7 @@ def test_config_variants_match_and_round_trip(variant, tmp_path):
     ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
-    original, saved = _disk_tensors(src), _disk_tensors(save_model(model, tmp_path / "out"))
+    original, saved = disk_tensors(src), disk_tensors(save_model(model, tmp_path / "out"))
     assert sorted(saved) == sorted(original)
     assert all(torch.equal(saved[k], original[k]) for k in original)
 
@@ -217,7 +201,7 @@ def test_unreadable_files_are_named(model_dir, tmp_path):
     (bad / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(ModelWeightsError, match=r"model\.safetensors\.index\.json is not a valid safetensors index"):
         load_model(bad)
-    index = {"weight_map": dict.fromkeys(_disk_tensors(bad), "missing.safetensors")}
+    index = {"weight_map": dict.fromkeys(disk_tensors(bad), "missing.safetensors")}
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelWeightsError, match=r"missing\.safetensors is not a readable safetensors file"):
         load_weights(load_model(bad, device="meta"), bad)
@@ -242,7 +226,7 @@ def test_a_confined_load_opens_nothing_outside_its_directory(model_dir, tmp_path
     with pytest.raises(OutsideDirectoryError, match=r"model\.safetensors .*is outside"):
         next(iter_runtime_tensors(snapshot, args, confined=True))
     (snapshot / "model.safetensors").unlink()
-    index = {"weight_map": dict.fromkeys(_disk_tensors(src), "../blobs/model.safetensors")}
+    index = {"weight_map": dict.fromkeys(disk_tensors(src), "../blobs/model.safetensors")}
     (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
     assert len(list(iter_runtime_tensors(snapshot, args))) > 0
     with pytest.raises(OutsideDirectoryError, match=r"\.\./blobs/model.safetensors .*is outside"):

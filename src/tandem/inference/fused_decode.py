@@ -31,7 +31,12 @@ O_PROJ_MIN_ROWS = 8
 
 def fused_decode_supported(model: CausalLM) -> str | None:
     """Why the fused step cannot run `model`, or None when it can."""
-    dim = model.args.head_dim
+    args = model.args
+    if args.mla is not None:
+        return "multi-head latent attention has its own cached path (no qkv_proj, no V cache)"
+    if args.rotary_dim != args.head_dim:
+        return f"partial rotary ({args.rotary_dim} of {args.head_dim} head dims)"
+    dim = args.head_dim
     if dim & (dim - 1):
         return f"head_dim {dim} is not a power of two"
     return None

@@ -13,8 +13,9 @@ ACTIVATION_RESERVE_BYTES = 2**30
 
 
 def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: K and V for every layer."""
-    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+    """Bytes of one block: what every layer caches per token (K and V, or MLA's latent) times the block size."""
+    heads, key_dim, value_dim = args.kv_cache_shape
+    return args.num_layers * block_size * heads * (key_dim + value_dim) * dtype.itemsize
 
 
 def activation_bytes(config: InferenceConfig, args: ModelArgs, dtype: torch.dtype) -> int:

@@ -85,9 +85,7 @@ class Runner:
         dtype = model.lm_head_weight.dtype
         self.max_model_len = config.seq_len
         num_blocks = scheduler.allocator.num_blocks
-        self.cache = KVCache(
-            args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, dtype, self.device
-        )
+        self.cache = KVCache.for_model(args, num_blocks, config.block_size, dtype, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,

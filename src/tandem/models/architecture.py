@@ -17,6 +17,7 @@ class HFLayout:
     """Hugging Face key templates that differ between families (per layer, after `model.layers.{i}.`)."""
 
     router: str = "mlp.gate.weight"
+    router_bias: str = "mlp.gate.e_score_correction_bias"
     expert: str = "mlp.experts.{expert}.{proj}.weight"
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked_gate_up: str = "mlp.experts.gate_up_proj"  # transformers' in-memory stacked layout, if ever on disk

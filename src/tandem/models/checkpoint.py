@@ -8,6 +8,7 @@ and values that `transformers` expects.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .architecture import HFLayout
-from .config import ModelArgs
+from .config import ModelArgs, MoEArgs
 from .registry import ARCHITECTURES
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +44,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class ModelWeightsError(ValueError):
@@ -93,37 +95,85 @@ def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False)
     out = {"embed_tokens.weight": _plain("model.embed_tokens.weight"), "norm.weight": _plain("model.norm.weight")}
     if not args.tie_word_embeddings:
         out["lm_head.weight"] = _plain("lm_head.weight")
-    qkv_sizes = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.num_kv_heads * args.head_dim)
     for i in range(args.num_layers):
         hf, rt = f"model.layers.{i}.", f"layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
-        for kind in ("weight", "bias") if args.attention_bias else ("weight",):
-            qkv = tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv")
-            out[f"{rt}self_attn.qkv_proj.{kind}"] = Fused((qkv,), qkv_sizes)
-            out[f"{rt}self_attn.o_proj.{kind}"] = _plain(f"{hf}self_attn.o_proj.{kind}")
-        if args.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                out[f"{rt}self_attn.{norm}.weight"] = _plain(f"{hf}self_attn.{norm}.weight")
+        attention = _mla_weights(args) if args.mla is not None else _gqa_weights(args)
         if args.moe is not None and args.is_moe_layer(i):
-            out[f"{rt}mlp.router.weight"] = _plain(hf + layout.router)
-            if stacked_experts:
-                out[f"{rt}mlp.experts.gate_up_proj"] = _plain(hf + layout.stacked_gate_up)
-                out[f"{rt}mlp.experts.down_proj"] = _plain(hf + layout.stacked_down)
-                continue
-            gate, up, down = (hf + layout.expert.replace("{proj}", proj) for proj in layout.expert_projs)
-            experts = range(args.moe.num_experts)
-            size = args.moe.intermediate_size
-            out[f"{rt}mlp.experts.gate_up_proj"] = Fused(
-                tuple((gate.format(expert=e), up.format(expert=e)) for e in experts), (size, size), stacked=True
-            )
-            out[f"{rt}mlp.experts.down_proj"] = Fused(tuple((down.format(expert=e),) for e in experts), stacked=True)
+            mlp = _moe_weights(args.moe, layout, stacked_experts)
         else:
-            size = args.intermediate_size
-            for kind in ("weight", "bias") if args.mlp_bias else ("weight",):
-                gate_up = (f"{hf}mlp.gate_proj.{kind}", f"{hf}mlp.up_proj.{kind}")
-                out[f"{rt}mlp.gate_up_proj.{kind}"] = Fused((gate_up,), (size, size))
-                out[f"{rt}mlp.down_proj.{kind}"] = _plain(f"{hf}mlp.down_proj.{kind}")
+            mlp = _mlp_weights("mlp.", args.intermediate_size, args.mlp_bias)
+        out |= {rt + name: _under(hf, fused) for name, fused in (attention | mlp).items()}
+    return out
+
+
+def _under(prefix: str, fused: Fused) -> Fused:
+    """`fused` with `prefix` before every HF key (a layer's `model.layers.{i}.`)."""
+    return dataclasses.replace(fused, parts=tuple(tuple(prefix + k for k in group) for group in fused.parts))
+
+
+def _kinds(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
+
+
+def _gqa_weights(args: ModelArgs) -> dict[str, Fused]:
+    """Within a layer: fused QKV (+ bias), o_proj (+ bias), qk-norm."""
+    kv_size = args.num_kv_heads * args.head_dim
+    out = {}
+    for kind in _kinds(args.attention_bias):
+        qkv = tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv")
+        out[f"self_attn.qkv_proj.{kind}"] = Fused((qkv,), (args.num_heads * args.head_dim, kv_size, kv_size))
+    out |= {f"self_attn.o_proj.{kind}": _plain(f"self_attn.o_proj.{kind}") for kind in _kinds(args.attention_out_bias)}
+    norms = ("q_norm", "k_norm") if args.qk_norm else ()
+    return out | {f"self_attn.{n}.weight": _plain(f"self_attn.{n}.weight") for n in norms}
+
+
+def _mla_weights(args: ModelArgs) -> dict[str, Fused]:
+    """Within a layer: MLA's projections and latent norms, unfused, under HF's names."""
+    assert args.mla is not None
+    low_rank_q = args.mla.q_lora_rank is not None
+    names = [
+        *(("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight") if low_rank_q else ("q_proj.weight",)),
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight",
+        "kv_b_proj.weight",
+        "o_proj.weight",
+    ]
+    if args.attention_bias:
+        names += [*(("q_a_proj.bias",) if low_rank_q else ()), "kv_a_proj_with_mqa.bias"]
+    if args.attention_out_bias:
+        names.append("o_proj.bias")
+    return {f"self_attn.{n}": _plain(f"self_attn.{n}") for n in names}
+
+
+def _mlp_weights(prefix: str, size: int, bias: bool) -> dict[str, Fused]:
+    """Within a layer: a dense SwiGLU at `prefix` (the MLP, or a MoE's shared experts), gate and up fused."""
+    out = {}
+    for kind in _kinds(bias):
+        gate_up = (f"{prefix}gate_proj.{kind}", f"{prefix}up_proj.{kind}")
+        out[f"{prefix}gate_up_proj.{kind}"] = Fused((gate_up,), (size, size))
+        out[f"{prefix}down_proj.{kind}"] = _plain(f"{prefix}down_proj.{kind}")
+    return out
+
+
+def _moe_weights(moe: MoEArgs, layout: HFLayout, stacked_experts: bool) -> dict[str, Fused]:
+    """Within a layer: router (+ correction bias), experts stacked from per-expert tensors, shared experts."""
+    out = {"mlp.router.weight": _plain(layout.router)}
+    if moe.score_correction_bias:
+        out["mlp.router.e_score_correction_bias"] = _plain(layout.router_bias)
+    if moe.shared_intermediate_size:
+        out |= _mlp_weights("mlp.shared_experts.", moe.shared_intermediate_size, bias=False)
+    if stacked_experts:
+        out["mlp.experts.gate_up_proj"] = _plain(layout.stacked_gate_up)
+        out["mlp.experts.down_proj"] = _plain(layout.stacked_down)
+        return out
+    gate, up, down = (layout.expert.replace("{proj}", proj) for proj in layout.expert_projs)
+    experts, size = range(moe.num_experts), moe.intermediate_size
+    out["mlp.experts.gate_up_proj"] = Fused(
+        tuple((gate.format(expert=e), up.format(expert=e)) for e in experts), (size, size), stacked=True
+    )
+    out["mlp.experts.down_proj"] = Fused(tuple((down.format(expert=e),) for e in experts), stacked=True)
     return out
 
 
@@ -194,11 +244,20 @@ class _Reader:
             raise ModelWeightsError(f"{file}: cannot read tensor {key}: {error}") from None
 
 
+def _ignored(key: str, args: ModelArgs) -> bool:
+    """RoPE tables, and the multi-token-prediction layers stored after the decoder (`model.layers.{num_layers}...`),
+    which transformers skips too: tandem does not run them, and saves without them."""
+    if _IGNORED_HF_KEYS.match(key):
+        return True
+    layer = _LAYER_INDEX.match(key)
+    return layer is not None and args.num_layers <= int(layer[1]) < args.num_layers + args.mtp_layers
+
+
 def _check_keys(available: set[str], wanted: Mapping[str, Fused], args: ModelArgs, path: Path) -> None:
     needed = {k for fused in wanted.values() for k in fused.hf_keys}
     missing = sorted(needed - available)
     ignorable = {"lm_head.weight"} if args.tie_word_embeddings else set()
-    unexpected = sorted(k for k in available - needed - ignorable if not _IGNORED_HF_KEYS.match(k))
+    unexpected = sorted(k for k in available - needed - ignorable if not _ignored(k, args))
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

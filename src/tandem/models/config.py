@@ -40,17 +40,68 @@ class RopeArgs:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head's dims that is rotated (GLM: 0.5)
+
+
+SCORING_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
 class MoEArgs:
-    """Sparse MLP parameters; `layers` lists the decoder layers that are MoE (the rest are dense)."""
+    """Sparse MLP parameters; `layers` lists the decoder layers that are MoE (the rest are dense).
+
+    Qwen3-MoE routes by softmax over all experts. DeepSeek-V3 / GLM-4.5 score each expert by a sigmoid, choose
+    with a learned-offline `e_score_correction_bias` added (the weights themselves stay unbiased), first among
+    the `topk_group` best of `n_group` expert groups, scale the weights by `routed_scaling_factor`, and add
+    always-on shared experts (one dense SwiGLU of `shared_intermediate_size`; 0 = none).
+    """
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
     layers: tuple[int, ...]
+    scoring: str = "softmax"
+    score_correction_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORING_FUNCTIONS:
+            raise ModelConfigError(f"MoE scoring {self.scoring!r} is not one of {SCORING_FUNCTIONS}")
+        if self.num_experts % self.n_group:
+            raise ModelConfigError(f"n_group={self.n_group} does not divide the {self.num_experts} experts")
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ModelConfigError("group-limited routing scores a group by its top-2 experts: need >= 2 per group")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ModelConfigError(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+        if self.top_k > self.topk_group * per_group:
+            raise ModelConfigError(f"top_k={self.top_k} exceeds the {self.topk_group * per_group} selectable experts")
+
+
+@dataclass(frozen=True)
+class MLAArgs:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V come from one shared low-rank latent per token.
+
+    Queries: `q_lora_rank` None projects directly, else through a normed rank-`q_lora_rank` bottleneck. Each
+    head's q/k is a `qk_nope_head_dim` part from the latent and a `qk_rope_head_dim` part carrying RoPE (the
+    key's RoPE part is shared by all heads); values have `v_head_dim`. `rope_interleave`: checkpoints store the
+    RoPE dims as interleaved pairs (DeepSeek's layout) rather than as two halves.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -71,8 +122,11 @@ class ModelArgs:
     tie_word_embeddings: bool
     qk_norm: bool
     attention_bias: bool = False
+    attention_out_bias: bool = False  # o_proj's bias: attention_bias for Llama, never for GLM-4.5
     mlp_bias: bool = False
     moe: MoEArgs | None = None
+    mla: MLAArgs | None = None  # multi-head latent attention instead of GQA (then num_kv_heads == num_heads)
+    mtp_layers: int = 0  # multi-token-prediction layers checkpoints store after the decoder; never run or loaded
     initializer_range: float = 0.02
     dtype: torch.dtype = torch.float32
     # Runtime choices (not part of the HF config).
@@ -93,6 +147,24 @@ class ModelArgs:
             raise ModelConfigError(
                 f"moe_backend has {len(self.moe_backend)} entries, expected one per layer ({self.num_layers})"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each q/k head RoPE rotates (the leading ones; MLA: the separate RoPE part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """Per layer and token, what the KV cache stores: (heads, key dim, value dim).
+
+        MLA caches the normed latent and the rotated shared RoPE key as one key-only head (value dim 0): the
+        values are the latent's leading `kv_lora_rank` dims (see `layers.mla`).
+        """
+        if self.mla is not None:
+            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
@@ -137,19 +209,27 @@ def parse_dtype(hf: Mapping[str, Any]) -> torch.dtype:
     return dtype
 
 
-def parse_rope(hf: Mapping[str, Any]) -> RopeArgs:
-    """Read RoPE from either config format; reject scaling types whose frequencies depend on the input length."""
+def parse_rope(hf: Mapping[str, Any], partial_rotary_factor: float | None = None) -> RopeArgs:
+    """Read RoPE from either config format; reject scaling types whose frequencies depend on the input length.
+
+    `partial_rotary_factor`: the family's default for a config that does not set it (GLM-4.5: 0.5); None for
+    families whose attention rotates whole heads, which then reject any other value.
+    """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ModelConfigError("per-layer-type rope_parameters are not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(f"rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelConfigError("partial_rotary_factor != 1 is not supported")
+    default_partial = 1.0 if partial_rotary_factor is None else partial_rotary_factor
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial)))
+    if partial_rotary_factor is None and partial != 1.0:
+        raise ModelConfigError(f"partial_rotary_factor != 1 is not supported for {hf.get('architectures')}")
+    if not 0 < partial <= 1:
+        raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if rope_type == "default":
-        return RopeArgs(theta=theta)
+        return RopeArgs(theta=theta, partial_rotary_factor=partial)
     original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
     factor = params.get("factor")
     if factor is None and rope_type == "yarn" and original:
@@ -159,19 +239,27 @@ def parse_rope(hf: Mapping[str, Any]) -> RopeArgs:
     known = {f.name for f in dataclasses.fields(RopeArgs)}
     extra = {k: v for k, v in params.items() if k in known and k not in ("factor", "type") and v is not None}
     extra["original_max_position_embeddings"] = original
-    return RopeArgs(**{**extra, "theta": theta, "type": rope_type, "factor": float(factor)})
+    fixed = {"theta": theta, "type": rope_type, "factor": float(factor), "partial_rotary_factor": partial}
+    return RopeArgs(**{**extra, **fixed})
 
 
 def parse_decoder_args(
-    hf: Mapping[str, Any], *, qk_norm: bool, moe: MoEArgs | None = None, mlp_bias: bool = False
+    hf: Mapping[str, Any],
+    *,
+    qk_norm: bool,
+    moe: MoEArgs | None = None,
+    mlp_bias: bool = False,
+    rope: RopeArgs | None = None,
+    **family: Any,
 ) -> ModelArgs:
-    """The fields every Llama-style decoder shares; the family passes what differs."""
+    """The fields every Llama-style decoder shares; the family passes what differs (`rope` when it reads RoPE
+    its own way, any other ModelArgs field in `family`)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise ModelConfigError("sliding-window attention is not supported")
     hidden, heads = require(hf, "hidden_size"), require(hf, "num_attention_heads")
-    return ModelArgs(
+    fields: dict[str, Any] = dict(
         architecture=require(hf, "architectures")[0],
         vocab_size=require(hf, "vocab_size"),
         hidden_size=hidden,
@@ -182,13 +270,15 @@ def parse_decoder_args(
         head_dim=hf.get("head_dim") or hidden // heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        rope=parse_rope(hf),
+        rope=rope or parse_rope(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=qk_norm,
         attention_bias=bool(hf.get("attention_bias", False)),
+        attention_out_bias=bool(hf.get("attention_bias", False)),
         mlp_bias=mlp_bias,
         moe=moe,
         initializer_range=hf.get("initializer_range", 0.02),
         dtype=parse_dtype(hf),
         hf_config=dict(hf),
     )
+    return ModelArgs(**{**fields, **family})

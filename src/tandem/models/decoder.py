@@ -1,7 +1,8 @@
-"""The shared Llama-style decoder: Qwen3, Llama and Qwen3-MoE are this module with different `ModelArgs`.
+"""The shared decoder: Qwen3, Llama, Qwen3-MoE, GLM-4.5 and DeepSeek-V3 are this module with different `ModelArgs`.
 
-Parameter names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`,
-`gate_up_proj`, the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
+Attention is GQA (`Attention`) or multi-head latent attention (`MLAttention`, when `args.mla` is set). Parameter
+names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`, `gate_up_proj`,
+the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from torch import nn
 from .config import ModelArgs
 from .layers.attention import Attention, AttnInputs, attention_inputs
 from .layers.kv_cache import CacheBatch, KVCache
+from .layers.mla import MLAttention
 from .layers.mlp import GatedMLP
-from .layers.moe import Experts, MoE
+from .layers.moe import Experts, MoE, Router
 from .layers.norm import RMSNorm
 from .layers.precision import autocast_dtype
 from .layers.rope import RotaryEmbedding
@@ -30,7 +32,7 @@ class DecoderBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, layer_idx)
+        self.self_attn = MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp: nn.Module
         if args.moe is not None and args.is_moe_layer(layer_idx):
@@ -44,6 +46,13 @@ class DecoderBlock(nn.Module):
                 backend=args.moe_backend_for(layer_idx),
                 freeze_router=args.freeze_router,
                 balanced_routing=args.moe_balanced_routing,
+                shared_intermediate_size=moe.shared_intermediate_size,
+                shared_activation=args.swiglu_backend,
+                scoring=moe.scoring,
+                score_correction_bias=moe.score_correction_bias,
+                n_group=moe.n_group,
+                topk_group=moe.topk_group,
+                scaling_factor=moe.routed_scaling_factor,
             )
         else:
             self.mlp = GatedMLP(
@@ -64,7 +73,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary = RotaryEmbedding(args.rope, args.head_dim)
+        self.rotary = RotaryEmbedding(args.rope, args.rotary_dim)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
@@ -73,13 +82,18 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Random init as Hugging Face does: normal(0, initializer_range) matrices, ones for norms, zero biases."""
+        """Random init as Hugging Face does: normal(0, initializer_range) matrices, ones for norms, zero biases
+        (the router's correction bias too)."""
         std = self.args.initializer_range
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, std=std, generator=generator)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, Router):
+                nn.init.normal_(module.weight, std=std, generator=generator)
+                if module.e_score_correction_bias is not None:
+                    nn.init.zeros_(module.e_score_correction_bias)
             if isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, std=std, generator=generator)
                 nn.init.normal_(module.down_proj, std=std, generator=generator)

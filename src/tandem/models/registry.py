@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import llama, qwen3, qwen3_moe
+from . import deepseek_v3, glm4_moe, llama, qwen3, qwen3_moe
 from .architecture import Architecture
 from .config import ModelConfigError
 
@@ -15,6 +15,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         qwen3.ARCHITECTURE,
         llama.ARCHITECTURE,
         qwen3_moe.ARCHITECTURE,
+        deepseek_v3.ARCHITECTURE,
+        glm4_moe.ARCHITECTURE,
     )
 }
 

@@ -111,7 +111,7 @@ class ExpertParallelMoE(MoE):
                 freeze_router=moe.freeze_router,
                 balanced_routing=moe.balanced_routing,
             )
-        self.router = moe.router
+        self.router, self.shared_experts = moe.router, moe.shared_experts
         self.num_experts, self.groups = num_experts, groups
         self.local_experts = num_experts // groups.size
         mine = slice(groups.rank * self.local_experts, (groups.rank + 1) * self.local_experts)

@@ -21,7 +21,7 @@ from torch import nn
 from ..config import ModelArgs
 from .kv_cache import CacheBatch, KVCache
 from .norm import RMSNorm
-from .rope import ROPE_BACKENDS
+from .rope import ROPE_BACKENDS, check_rope_backend, rotate_leading
 
 
 @dataclass(frozen=True)
@@ -109,35 +109,52 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttnInputs, scale: float) -> torch.Tensor:
+    """Uncached attention over `[B, S, H, D]` q, k, v (v's head dim may differ) -> `[B, S, Hq, Dv]`."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if attn.block_mask is not None:
+        return _flex(q, k, v, attn.block_mask, scale).transpose(1, 2)
+    return sdpa(q, k, v, attn.mask, scale).transpose(1, 2)
+
+
 def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: CacheBatch, layer: int, scale: float
 ) -> torch.Tensor:
-    """Packed new tokens `[T, H, D]`: write their K/V, then attend per sequence to everything cached so far.
+    """Packed new tokens `[T, H, D]`: write their K/V, then attend per sequence to everything cached so far."""
+    cache.write(layer, batch, k, v)
+    keys, values = cache.read(layer, batch)
+    return attend_cached(q, keys, values, batch, scale)
+
+
+def attend_cached(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: CacheBatch, scale: float
+) -> torch.Tensor:
+    """Packed queries `[T, Hq, D]` against each sequence's cached keys / values `[N, max_kv, Hkv, D | Dv]`.
 
     With one new token per sequence (decode), the query heads sharing a KV head become that head's query
     rows, so attention runs over `Hkv` heads without repeating K/V (the fused kernels take no GQA with a mask).
     """
-    cache.write(layer, batch, k, v)
-    keys, values = cache.read(layer, batch)  # [N, max_kv, Hkv, D]
     if batch.unpack_index.shape[1] == 1:
         rows, kv_heads = keys.shape[0], keys.shape[2]
         queries = q.unflatten(1, (kv_heads, -1))  # [N, Hkv, Hq / Hkv, D]
         out = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.mask, scale=scale
         )
-        return out.reshape(rows, -1, q.shape[-1])
+        return out.reshape(rows, -1, values.shape[-1])
     queries = q[batch.unpack_index]  # [N, max_new, Hq, D]
     out = sdpa(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), batch.mask, scale)
     return out.transpose(1, 2).flatten(0, 1)[batch.pack_index]
 
 
 class Attention(nn.Module):
-    """GQA attention with fused QKV (`qkv_proj` rows: q heads, then k heads, then v heads) and optional qk-norm."""
+    """GQA attention with fused QKV (`qkv_proj` rows: q heads, then k heads, then v heads) and optional qk-norm.
+
+    RoPE rotates the leading `cos.shape[-1]` dims of each head (all of them unless partial rotary, GLM-4.5).
+    """
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
-        if args.rope_backend not in ROPE_BACKENDS:
-            raise ValueError(f"unknown rope_backend {args.rope_backend!r}; known: {sorted(ROPE_BACKENDS)}")
+        check_rope_backend(args.rope_backend)
         self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, args.rope_backend
         self.sizes = (
             args.num_heads * args.head_dim,
@@ -146,24 +163,19 @@ class Attention(nn.Module):
         )
         self.scale = args.head_dim**-0.5
         self.qkv_proj = nn.Linear(args.hidden_size, sum(self.sizes), bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.sizes[0], args.hidden_size, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.sizes[0], args.hidden_size, bias=args.attention_out_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
-        """`x` `[B, S, hidden]`, cos/sin `[B, S, head_dim]` -> `[B, S, hidden]` (cache path: B == 1, packed)."""
+        """`x` `[B, S, hidden]`, cos/sin `[B, S, rotary_dim]` -> `[B, S, hidden]` (cache path: B == 1, packed)."""
         batch, seq, _ = x.shape
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ROPE_BACKENDS[self.rope_backend](q, k, cos, sin)
+        q, k = rotate_leading(ROPE_BACKENDS[self.rope_backend], q, k, cos, sin)
         if attn.cache is not None and attn.cache_batch is not None:
             out = cached_attention(q[0], k[0], v[0], attn.cache, attn.cache_batch, self.layer_idx, self.scale)
         else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if attn.block_mask is not None:
-                out = _flex(q, k, v, attn.block_mask, self.scale)
-            else:
-                out = sdpa(q, k, v, attn.mask, self.scale)
-            out = out.transpose(1, 2)
+            out = attend(q, k, v, attn, self.scale)
         return self.o_proj(out.reshape(batch, seq, -1))

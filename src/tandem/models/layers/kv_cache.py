@@ -1,6 +1,7 @@
 """Paged KV cache and the per-step batch description that prefill and decode share.
 
-Each layer owns K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`. A sequence owns a row of a
+Each layer owns K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]` (V may have another head dim;
+a key-only cache, `value_dim=0`, has no V: MLA caches one latent per token, see `layers.mla`). A sequence owns a row of a
 block table (block ids, in order); token `p` of the sequence lives at `block_table[p // block_size]`, offset
 `p % block_size`. A slot cache (one fixed region per sequence) is the special case `block_size = max_len` with
 block table `[[slot]]`. The engine owns allocation; this module only reads and writes where it is told.
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelArgs
+
 
 @dataclass(frozen=True)
 class CacheBatch:
@@ -32,7 +35,10 @@ class CacheBatch:
 
 
 class KVCache:
-    """K/V storage for all layers. Zero-initialised so masked-out stale rows are finite (0 * NaN would be NaN)."""
+    """K/V storage for all layers. Zero-initialised so masked-out stale rows are finite (0 * NaN would be NaN).
+
+    `value_dim` defaults to `head_dim`; 0 makes a key-only cache (`v` is empty; use `write_keys`/`read_keys`).
+    """
 
     def __init__(
         self,
@@ -43,11 +49,28 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        value_dim = head_dim if value_dim is None else value_dim
+        shape = (num_blocks, block_size, num_kv_heads)
+        self.k = [torch.zeros(*shape, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [
+            torch.zeros(*shape, value_dim, dtype=dtype, device=device) for _ in range(num_layers if value_dim else 0)
+        ]
         self.num_blocks, self.block_size = num_blocks, block_size
+
+    @classmethod
+    def for_model(
+        cls,
+        args: ModelArgs,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """The cache a model of `args` reads and writes (`ModelArgs.kv_cache_shape`: GQA heads, or MLA's latent)."""
+        heads, key_dim, value_dim = args.kv_cache_shape
+        return cls(args.num_layers, num_blocks, block_size, heads, key_dim, dtype, device, value_dim=value_dim)
 
     @property
     def device(self) -> torch.device:
@@ -55,13 +78,22 @@ class KVCache:
 
     def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' k, v `[T, Hkv, D]` at their cache rows."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, batch.write_index, k)
+        self.write_keys(layer, batch, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, batch.write_index, v)
+
+    def write_keys(self, layer: int, batch: CacheBatch, k: torch.Tensor) -> None:
+        """Store the new tokens' keys `[T, Hkv, D]` (all a key-only cache holds) at their cache rows."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, batch.write_index, k)
 
     def read(self, layer: int, batch: CacheBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's keys and values `[N, max_kv, Hkv, D]`, gathered through its block table."""
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:])[batch.read_index], v.view(-1, *v.shape[2:])[batch.read_index]
+        v = self.v[layer]
+        return self.read_keys(layer, batch), v.view(-1, *v.shape[2:])[batch.read_index]
+
+    def read_keys(self, layer: int, batch: CacheBatch) -> torch.Tensor:
+        """Each sequence's keys `[N, max_kv, Hkv, D]`, gathered through its block table."""
+        k = self.k[layer]
+        return k.view(-1, *k.shape[2:])[batch.read_index]
 
     def batch(
         self,

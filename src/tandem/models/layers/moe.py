@@ -1,4 +1,8 @@
-"""The one MoE runtime: fp32 softmax top-k routing, stacked expert weights, and interchangeable compute backends.
+"""The one MoE runtime: fp32 top-k routing, stacked expert weights, optional shared experts, and interchangeable
+compute backends.
+
+Routing (`route`) is softmax over all experts (Qwen3-MoE) or DeepSeek-V3's: per-expert sigmoid scores, chosen
+with a correction bias added and only among the best expert groups, weighted by the unbiased scores.
 
 Expert weights are stacked `[num_experts, ...]` (`gate_up_proj`: `[E, 2 * I, H]`, gate rows first;
 `down_proj`: `[E, H, I]`), the layout every MoE family is converted to at load time. A backend is a function
@@ -11,11 +15,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .mlp import GatedMLP
 from .precision import autocast_dtype
 
 logger = logging.getLogger(__name__)
@@ -24,24 +30,47 @@ MoEBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, t
 
 
 def route(
-    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, balanced: bool = False
+    logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    balanced: bool = False,
+    *,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, top-k, optional renormalisation; weights are cast back to the logits dtype (as HF does).
+    """Score experts in fp32 (softmax or sigmoid), pick top-k, optionally renormalise and scale; the weights are
+    cast back to the logits dtype (as HF does).
 
-    `balanced` (benchmarks only) replaces the top-k choice by a round-robin one, so every expert gets the same
-    number of tokens, like torchtitan's `debug.moe_force_load_balance`: throughput then does not depend on how
-    a random router happens to split the batch.
+    The choice uses `scores + correction_bias` (DeepSeek-V3's load-balancing offset) restricted to the
+    `topk_group` best of `n_group` expert groups, a group scored by the sum of its two best biased scores; the
+    weights are the unbiased scores of the chosen experts. `balanced` (benchmarks only) replaces the choice by
+    a round-robin one, so every expert gets the same number of tokens, like torchtitan's
+    `debug.moe_force_load_balance`: throughput then does not depend on how a random router splits the batch.
     """
-    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    scores = logits.float().sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1, dtype=torch.float32)
     if balanced:
-        slots = torch.arange(probs.shape[0] * top_k, device=probs.device).view(-1, top_k)
-        experts = slots % probs.shape[-1]
-        weights = probs.gather(-1, experts)
+        slots = torch.arange(scores.shape[0] * top_k, device=scores.device).view(-1, top_k)
+        experts = slots % scores.shape[-1]
     else:
-        weights, experts = probs.topk(top_k, dim=-1)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        experts = _top_experts(choice, top_k, n_group, topk_group)
+    weights = scores.gather(-1, experts)
     if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), experts
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * scaling_factor).to(logits.dtype), experts
+
+
+def _top_experts(choice: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """The top-k experts `[T, k]` by `choice` `[T, E]`, among the `topk_group` groups with the best top-2 sums."""
+    if n_group > 1:
+        groups = choice.unflatten(-1, (n_group, -1))  # [T, G, E / G]
+        best = groups.topk(2, dim=-1).values.sum(dim=-1).topk(topk_group, dim=-1).indices
+        keep = torch.zeros(groups.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        choice = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+    return choice.topk(top_k, dim=-1).indices
 
 
 def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -135,9 +164,67 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
+class Router(nn.Module):
+    """The routing weight `[E, H]` (HF `mlp.gate.weight`), DeepSeek-V3's `e_score_correction_bias` `[E]` if the
+    family has one, and how `route` uses them. The bias is set by the load-balancing rule of pre-training, not by
+    gradients: a Parameter (so it loads, saves and syncs like the weights) that never requires grad."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        *,
+        scoring: str = "softmax",
+        score_correction_bias: bool = False,
+        n_group: int = 1,
+        topk_group: int = 1,
+        scaling_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if score_correction_bias else None
+        self.e_score_correction_bias = bias
+        self.top_k, self.norm_topk_prob, self.scoring = top_k, norm_topk_prob, scoring
+        self.n_group, self.topk_group, self.scaling_factor = n_group, topk_group, scaling_factor
+
+    def forward(
+        self, x: torch.Tensor, frozen: bool = False, balanced: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights and expert ids `[T, k]` for tokens `[T, H]`; `frozen` detaches the weight (no gradient).
+
+        Sigmoid routers compute their logits in fp32 (HF keeps `gate.weight` in fp32 for them).
+        """
+        weight = self.weight.detach() if frozen else self.weight
+        logits = F.linear(x.float(), weight.float()) if self.scoring == "sigmoid" else F.linear(x, weight)
+        weights, experts = route(
+            logits,
+            self.top_k,
+            self.norm_topk_prob,
+            balanced,
+            scoring=self.scoring,
+            correction_bias=self.e_score_correction_bias,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            scaling_factor=self.scaling_factor,
+        )
+        return weights.to(x.dtype), experts
+
+    def extra_repr(self) -> str:
+        return (
+            f"top_k={self.top_k}, scoring={self.scoring!r}, groups={self.topk_group}/{self.n_group}, "
+            f"scaling_factor={self.scaling_factor}"
+        )
+
+
 class MoE(nn.Module):
-    """Router + experts. `freeze_router` detaches the router weight so it never gets a gradient;
-    `balanced_routing` (benchmarks) gives every expert the same number of tokens (see `route`)."""
+    """Router + experts (+ shared experts: a dense SwiGLU every token goes through, added to the routed output).
+
+    `freeze_router` detaches the router weight so it never gets a gradient (the correction bias never gets one);
+    `balanced_routing` (benchmarks) gives every expert the same number of tokens (see `route`). Routing options
+    past `norm_topk_prob` are `Router`'s.
+    """
 
     def __init__(
         self,
@@ -149,28 +236,43 @@ class MoE(nn.Module):
         backend: str = "grouped_mm",
         freeze_router: bool = False,
         balanced_routing: bool = False,
+        *,
+        shared_intermediate_size: int = 0,
+        shared_activation: str = "torch",
+        **routing: Any,
     ) -> None:
         super().__init__()
         if backend not in MOE_BACKENDS:
             raise ValueError(f"unknown MoE backend {backend!r}; known: {sorted(MOE_BACKENDS)}")
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.router = Router(hidden_size, num_experts, top_k, norm_topk_prob, **routing)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.shared_experts = (
+            GatedMLP(hidden_size, shared_intermediate_size, activation=shared_activation)
+            if shared_intermediate_size
+            else None
+        )
         self.backend, self.freeze_router, self.balanced_routing = backend, freeze_router, balanced_routing
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return self.router.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        router_weight = self.router.weight.detach() if self.freeze_router else self.router.weight
-        weights, experts = route(F.linear(x, router_weight), self.top_k, self.norm_topk_prob, self.balanced_routing)
-        return self.run_experts(x, weights, experts).reshape(shape)
+        weights, experts = self.router(x, self.freeze_router, self.balanced_routing)
+        out = self.run_experts(x, weights, experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """`[T, H]`: each token's chosen experts, weighted and summed (expert parallelism overrides this)."""
         return MOE_BACKENDS[self.backend](x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
 
     def extra_repr(self) -> str:
-        return (
-            f"top_k={self.top_k}, backend={self.backend!r}, freeze_router={self.freeze_router}, "
-            f"balanced_routing={self.balanced_routing}"
-        )
+        return f"backend={self.backend!r}, freeze_router={self.freeze_router}, balanced_routing={self.balanced_routing}"

@@ -42,18 +42,28 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention temperature correction for a context extended `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def softmax_scale(rope: RopeArgs, head_dim: int) -> float:
+    """MLA's softmax scale: `head_dim ** -0.5`, times `yarn_mscale(factor, mscale_all_dim) ** 2` when scaled RoPE
+    sets `mscale_all_dim`, so the correction reaches the non-rotary dims too (DeepSeek; HF `yarn_apply_mscale`)."""
+    scale = head_dim**-0.5
+    if rope.type != "default" and rope.mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return scale
+
+
 def _yarn(powers: torch.Tensor, rope: RopeArgs, head_dim: int) -> tuple[torch.Tensor, float]:
     """YaRN: blend interpolated and extrapolated frequencies by a linear ramp over dimensions; scale cos/sin."""
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+            attention_factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
         else:
-            attention_factor = mscale(rope.factor)
+            attention_factor = yarn_mscale(rope.factor)
 
     def correction_dim(rotations: float) -> float:
         original = rope.original_max_position_embeddings
@@ -96,9 +106,36 @@ def apply_rope(
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
+
+def rotate_leading(
+    rope: RopeFn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` on the leading `cos.shape[-1]` dims of each head; the rest pass through (partial rotary, GLM)."""
+    dim = cos.shape[-1]
+    if dim == q.shape[-1]:
+        return rope(q, k, cos, sin)
+    q_rot, k_rot = rope(q[..., :dim], k[..., :dim], cos, sin)
+    return torch.cat((q_rot, q[..., dim:]), dim=-1), torch.cat((k_rot, k[..., dim:]), dim=-1)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """`(x0, x1), (x2, x3), ...` pairs -> `(x0, x2, ..., x1, x3, ...)`: the half-split layout `apply_rope` rotates.
+
+    Rotating interleaved pairs equals rotating the de-interleaved vector; q and k are permuted alike, so their
+    dot products are unchanged (what HF's `apply_rotary_pos_emb_interleave` computes, bit for bit).
+    """
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 # `rope_backend` names. Kernels that must match `apply_rope` bit for bit (tandem.kernels.rope) are registered by
 # their user, since this package imports nothing else of tandem.
 ROPE_BACKENDS: dict[str, RopeFn] = {"torch": apply_rope}
+
+
+def check_rope_backend(name: str) -> None:
+    """A ValueError listing the known backends unless `name` is one (attention modules check at build time)."""
+    if name not in ROPE_BACKENDS:
+        raise ValueError(f"unknown rope_backend {name!r}; known: {sorted(ROPE_BACKENDS)}")
 
 
 class RotaryEmbedding(nn.Module):
