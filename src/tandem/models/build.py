@@ -20,6 +20,7 @@ RUNTIME_OPTIONS = (
     "moe_balanced_routing",
     "rope_backend",
     "swiglu_backend",
+    "index_backend",
 )
 
 ModelArgsLike = ModelArgs | Mapping[str, Any] | str | Path
@@ -33,7 +34,7 @@ def model_args(config: ModelArgsLike, **runtime: Any) -> ModelArgs:
     `runtime` sets options HF configs do not have: attn_backend ("auto" | "sdpa" | "flex"), moe_backend
     (a name from `MOE_BACKENDS`, or one per layer), freeze_router, moe_balanced_routing (benchmarks: every
     expert gets the same number of tokens), rope_backend (a name from `ROPE_BACKENDS`), swiglu_backend (a name
-    from `SWIGLU_BACKENDS`).
+    from `SWIGLU_BACKENDS`), index_backend (a name from `layers.indexer.INDEX_BACKENDS`; DeepSeek-V3.2).
     """
     unknown = set(runtime) - set(RUNTIME_OPTIONS)
     if unknown:

@@ -144,6 +144,9 @@ def _mla_weights(args: ModelArgs) -> dict[str, Fused]:
         names += [*(("q_a_proj.bias",) if low_rank_q else ()), "kv_a_proj_with_mqa.bias"]
     if args.attention_out_bias:
         names.append("o_proj.bias")
+    if args.indexer is not None:  # DeepSeek-V3.2's lightning indexer (`layers.indexer`)
+        names += [f"indexer.{n}" for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias")]
+        names.append("indexer.weights_proj.weight")
     return {f"self_attn.{n}": _plain(f"self_attn.{n}") for n in names}
 
 

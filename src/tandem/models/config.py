@@ -105,6 +105,17 @@ class MLAArgs:
 
 
 @dataclass(frozen=True)
+class IndexerArgs:
+    """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention, `layers.indexer`): per query, `num_heads`
+    ReLU-scored heads of `head_dim` (the leading `qk_rope_head_dim` carrying RoPE) against one shared key per
+    token choose the `topk` keys MLA attends to."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     """Everything needed to build a model; `hf_config` is the original dict, written back unchanged on save."""
 
@@ -126,6 +137,7 @@ class ModelArgs:
     mlp_bias: bool = False
     moe: MoEArgs | None = None
     mla: MLAArgs | None = None  # multi-head latent attention instead of GQA (then num_kv_heads == num_heads)
+    indexer: IndexerArgs | None = None  # DeepSeek-V3.2: MLA restricted to the indexer's top-k keys per query
     mtp_layers: int = 0  # multi-token-prediction layers checkpoints store after the decoder; never run or loaded
     initializer_range: float = 0.02
     dtype: torch.dtype = torch.float32
@@ -136,6 +148,7 @@ class ModelArgs:
     moe_balanced_routing: bool = False  # benchmarks: round-robin experts, every expert gets the same tokens
     rope_backend: str = "torch"  # a name in layers.rope.ROPE_BACKENDS
     swiglu_backend: str = "torch"  # a name in layers.mlp.SWIGLU_BACKENDS (dense MLPs)
+    index_backend: str = "torch"  # a name in layers.indexer.INDEX_BACKENDS (DeepSeek-V3.2's indexer scores)
     hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,10 +173,12 @@ class ModelArgs:
         """Per layer and token, what the KV cache stores: (heads, key dim, value dim).
 
         MLA caches the normed latent and the rotated shared RoPE key as one key-only head (value dim 0): the
-        values are the latent's leading `kv_lora_rank` dims (see `layers.mla`).
+        values are the latent's leading `kv_lora_rank` dims (see `layers.mla`). With an indexer (V3.2) the row
+        also holds the token's indexer key, `head_dim` more values (see `layers.indexer`).
         """
         if self.mla is not None:
-            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, 0
+            index_dim = self.indexer.head_dim if self.indexer is not None else 0
+            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim + index_dim, 0
         return self.num_kv_heads, self.head_dim, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -1,8 +1,9 @@
-"""The shared decoder: Qwen3, Llama, Qwen3-MoE, GLM-4.5 and DeepSeek-V3 are this module with different `ModelArgs`.
+"""The shared decoder: Qwen3, Llama, Qwen3-MoE, GLM-4.5, DeepSeek-V3/V3.2 are this module with different `ModelArgs`.
 
-Attention is GQA (`Attention`) or multi-head latent attention (`MLAttention`, when `args.mla` is set). Parameter
-names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`, `gate_up_proj`,
-the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
+Attention is GQA (`Attention`), multi-head latent attention (`MLAttention`, when `args.mla` is set) or MLA
+restricted to an indexer's top-k keys (`SparseMLAttention`, DeepSeek-V3.2, when `args.indexer` is set too).
+Parameter names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`,
+`gate_up_proj`, the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from .config import ModelArgs
 from .layers.attention import Attention, AttnInputs, attention_inputs
+from .layers.indexer import SparseMLAttention
 from .layers.kv_cache import CacheBatch, KVCache
 from .layers.mla import MLAttention
 from .layers.mlp import GatedMLP
@@ -32,7 +34,11 @@ class DecoderBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
+        self.self_attn: nn.Module
+        if args.indexer is not None:
+            self.self_attn = SparseMLAttention(args, layer_idx)
+        else:
+            self.self_attn = MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp: nn.Module
         if args.moe is not None and args.is_moe_layer(layer_idx):
@@ -97,8 +103,10 @@ class CausalLM(nn.Module):
             if isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, std=std, generator=generator)
                 nn.init.normal_(module.down_proj, std=std, generator=generator)
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm | nn.LayerNorm):
                 nn.init.ones_(module.weight)
+            if isinstance(module, nn.LayerNorm) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         self.rotary.init_buffers(self.embed_tokens.weight.device)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnInputs) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import deepseek_v3, glm4_moe, llama, qwen3, qwen3_moe
+from . import deepseek_v3, deepseek_v32, glm4_moe, llama, qwen3, qwen3_moe
 from .architecture import Architecture
 from .config import ModelConfigError
 
@@ -16,6 +16,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         llama.ARCHITECTURE,
         qwen3_moe.ARCHITECTURE,
         deepseek_v3.ARCHITECTURE,
+        deepseek_v32.ARCHITECTURE,
         glm4_moe.ARCHITECTURE,
     )
 }
