@@ -1,8 +1,9 @@
-"""Proof that `tandem rl` learns: from a tiny model SFT'd in the test, the reward of an easy env rises.
+"""Proof that `tandem rl` learns: from a tiny model SFT'd in the test, a held-out or sampled reward rises.
 
-The reverse-text reward itself does not rise within a CI budget from a half-trained tiny model
-(measured: 0.32 -> 0.35 over 60 steps), so the proof uses `tandem.testing.toy_envs.LetterE`: the same prompts,
-rewarded by the fraction of 'e' characters in the reply, which a 4-layer model can learn in 20 steps.
+`test_rl_chooses_the_rewarded_answer` is the README's RL example at CI size (two-word phrases, 100 SFT steps,
+40 RL steps): SFT on mixed answers, then RL with the reward for one of them, measured on held-out prompts by
+greedy decoding. `test_rl_raises_the_reward_with_tiny_mismatch` (slow) proves the loop on an easy toy reward,
+`tandem.testing.toy_envs.LetterE` (the fraction of 'e' in the reply), on policy, with the mismatch KL checked.
 """
 
 from __future__ import annotations
@@ -17,9 +18,36 @@ from support.runs import run_tandem, run_to_end, tandem_sft
 
 EXAMPLE = EXAMPLES / "reverse_text"
 
-pytestmark = pytest.mark.slow
+
+def test_rl_chooses_the_rewarded_answer(tmp_path):
+    data = tmp_path / "data"
+    prepare = [sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"]
+    run_to_end([*prepare, "--max-words", "2"], watch=[data])
+    tandem_sft("@", str(EXAMPLE / "sft.toml"), "@", str(EXAMPLE / "sft_mixed.toml"), "--model.name", str(data / "model"),
+               "--data.path", str(data / "train_mixed.jsonl"), "--output-dir", str(tmp_path), "--max-steps", "100",
+               "--ckpt.hf-interval", "0")  # fmt: skip
+    sources = tmp_path / "sources.toml"
+    sources.write_text(
+        '[[orchestrator.source]]\nid = "reverse_text"\nargs = { seed = 2, max_words = 2 }\n'
+        "sampling = { temperature = 1.0, max_tokens = 24 }\n"
+        '[[orchestrator.eval.source]]\nid = "reverse_text"\nname = "held-out"\n'
+        "args = { seed = 1, num_tasks = 32, max_words = 2 }\nsampling = { temperature = 0.0, max_tokens = 24 }\n"
+    )
+    start = tmp_path / "reverse-text-sft-mixed" / "hf" / "final"
+    run_tandem("rl", "@", str(EXAMPLE / "rl.toml"), "@", str(sources), "--model.name", str(start),
+               "--output-dir", str(tmp_path), "--max-steps", "40", "--seq-len", "256",
+               "--orchestrator.batch-size", "128", "--orchestrator.eval.interval", "40")  # fmt: skip
+    evals = [
+        r for r in read_jsonl(tmp_path / "reverse-text-rl" / "orchestrator_metrics.jsonl") if r.get("kind") == "eval"
+    ]
+    held_out = [r["eval/held-out/reward"] for r in evals]
+    print(f"held-out greedy reward by eval: {held_out}")
+    assert [r["step"] for r in evals] == [0, 40], evals
+    # Measured 0.497 -> 0.758 on 2 CPU cores (the README's full-size run: 0.511 -> 0.758 in 400 steps).
+    assert held_out[0] < 0.6 and held_out[1] > held_out[0] + 0.1, held_out
 
 
+@pytest.mark.slow
 def test_rl_raises_the_reward_with_tiny_mismatch(tmp_path):
     data = tmp_path / "data"
     run_to_end([sys.executable, str(EXAMPLE / "prepare.py"), "--out", str(data), "--train-rows", "1000"], watch=[data])
