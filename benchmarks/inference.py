@@ -2,7 +2,9 @@
 same device in the same run, and against the memory-bandwidth roofline.
 
     python benchmarks/inference.py            # GPU: Qwen3-0.6B- and 1.7B-shaped models, batch 1, 32, 256
+    python benchmarks/inference.py --models moonlight-16b-a3b --batches 1 32   # GPU: DeepSeek-V3 architecture
     python benchmarks/inference.py --smoke    # CPU: a tiny model, to check the script works (~1 min)
+    python benchmarks/inference.py --smoke --models tiny-dsv3   # CPU: a tiny DeepSeek-V3 (MLA, sigmoid MoE)
 
 Models have random bf16 weights. Every request has a `--prompt-len` prompt and generates exactly
 `--gen-len` tokens (greedy, EOS ignored); a batch's prompts are prefilled in one engine step, so the batch
@@ -14,12 +16,16 @@ then decodes together. Per run:
   transformers: the same tokens over `generate(max_new_tokens=gen_len)` minus the `max_new_tokens=1` time.
 - roofline: the decode tok/s if each step only read, at the HBM bandwidth measured here (a large device
   copy), every weight once (the embedding table only for the batch's rows when it is not tied to the LM
-  head) and each sequence's K/V at the mean decode context `prompt_len + gen_len / 2`.
+  head; of an MoE layer's routed experts only as many as the batch's tokens are expected to pick, routing
+  uniformly at random) and each sequence's KV cache (MLA: its latent) at the mean decode context
+  `prompt_len + gen_len / 2`.
 
 Engine variants: the module-by-module decode step (`torch`) eager and under CUDA graphs (one per batch
 bucket), the Triton decode kernels (`triton`, the default on CUDA) under CUDA graphs, with and without
 overlapped steps (`overlap_steps`: a step launched before the host reads the last one's tokens), and with
-`--compile` the module step compiled (dynamic shapes) under CUDA graphs. The table comes last.
+`--compile` the module step compiled (dynamic shapes) under CUDA graphs. The Triton step does not run
+multi-head latent attention (DeepSeek-V3), so MLA models get the module step's variants only. The table comes
+last.
 """
 
 from __future__ import annotations
@@ -35,19 +41,27 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import SHAPES, Shape
+from bench_shapes import MOONLIGHT, SHAPES, DeepSeekV3Shape, Qwen3Shape, Shape
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
+from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.outputs import RequestUpdate
 from tandem.inference.protocol import SamplingParams
 from tandem.models import build_model
+from tandem.models.layers.moe import Experts
 
-MODELS = {
+MODELS: dict[str, Shape] = {
     # Qwen3-0.6B and Qwen3-1.7B exactly (tied embeddings, 28 layers, 16 query / 8 KV heads of 128).
-    "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936, tied=True),
+    "qwen3-0.6b": Qwen3Shape(
+        hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936, tied=True
+    ),
     "qwen3-1.7b": SHAPES["qwen3-1.7b"],
+    # Moonlight-16B-A3B exactly (DeepSeek-V3 architecture, all 27 layers: 16.0B parameters, 3B active; 32 GB in
+    # bf16): MLA with a 576-value latent cached per token and layer, 64 experts top-6 + 2 shared.
+    "moonlight-16b-a3b": DeepSeekV3Shape(layers=27, **MOONLIGHT),
     "tiny": SHAPES["tiny"],
+    "tiny-dsv3": SHAPES["tiny-dsv3"],
 }
 BLOCK_SIZE = 16
 
@@ -83,12 +97,18 @@ def hbm_bandwidth(device: torch.device, gib: float) -> float:
     return 2 * src.numel() * iters / (time.perf_counter() - start)
 
 
-def roofline_tok_s(model: torch.nn.Module, shape: Shape, batch: int, context: float, bandwidth: float) -> float:
+def roofline_tok_s(model: torch.nn.Module, batch: int, context: float, bandwidth: float) -> float:
+    args = model.args
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not shape.tied:  # an untied embedding table is only read for the batch's rows
+    if not args.tie_word_embeddings:  # an untied embedding table is only read for the batch's rows
         embedding = model.embed_tokens.weight
         weights -= (embedding.shape[0] - batch) * embedding.shape[1] * embedding.element_size()
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * model.embed_tokens.weight.element_size()
+    if args.moe is not None:  # routed experts: only those the batch picks, E * (1 - (1 - k/E)^batch) expected
+        untouched = (1 - args.moe.top_k / args.moe.num_experts) ** batch
+        experts = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+        weights -= untouched * sum(p.numel() * p.element_size() for p in experts)
+    heads, key_dim, value_dim = args.kv_cache_shape
+    kv_per_token = args.num_layers * heads * (key_dim + value_dim) * model.embed_tokens.weight.element_size()
     step_bytes = weights + batch * context * kv_per_token
     return batch / (step_bytes / bandwidth)
 
@@ -159,9 +179,14 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     context = args.prompt_len + args.gen_len
     torch_step, triton_step = {"decode_kernels": "torch"}, {"decode_kernels": "triton", "cuda_graphs": True}
     variants = [("torch eager", {**torch_step, "cuda_graphs": False})]
+    no_triton = fused_decode_supported(model)
     if device.type == "cuda":
-        variants += [("torch cuda graphs", {**torch_step, "cuda_graphs": True}), ("triton cuda graphs", triton_step)]
-        variants += [("triton cuda graphs, no overlap", {**triton_step, "overlap_steps": False})]
+        variants += [("torch cuda graphs", {**torch_step, "cuda_graphs": True})]
+        if no_triton is None:
+            variants += [("triton cuda graphs", triton_step)]
+            variants += [("triton cuda graphs, no overlap", {**triton_step, "overlap_steps": False})]
+        else:
+            print(f"  {name}: no Triton decode variants ({no_triton})", flush=True)
         variants += [("torch cuda graphs + compile", {**torch_step, "compile": True})] if args.compile else []
     for label, overrides in variants:
         graphs = overrides.get("cuda_graphs", True)
@@ -207,7 +232,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     roofline_model = build_model(shape.hf_config(), dtype=torch.bfloat16, device="meta")
     mean_context = args.prompt_len + args.gen_len / 2
     for row in rows:
-        row.roofline = roofline_tok_s(roofline_model, shape, row.batch, mean_context, bandwidth) if row.batch else None
+        row.roofline = roofline_tok_s(roofline_model, row.batch, mean_context, bandwidth) if row.batch else None
     return rows
 
 

@@ -3,10 +3,12 @@
     python benchmarks/sft_throughput.py --out results.json     # the full run (benchmarks/RESULTS.md)
     python benchmarks/sft_throughput.py --smoke                # tiny shapes, 3 steps each: does everything start?
 
+Shapes (benchmarks/bench_shapes.py): Qwen3-1.7B (`*-dense`), Qwen3-30B-A3B's layers, 6 of 48 (`*-moe`), and
+Moonlight-16B-A3B's (DeepSeek-V3 architecture: MLA, sigmoid-routed MoE with shared experts), 4 of 27 (`*-dsv3`).
 Each run is a separate process through the trainer's own entry point: `python -m tandem sft @
 examples/advanced/<model>/sft-max-perf.toml --data.fake ...` (random init, balanced MoE routing, no final
-checkpoint) and `torchrun -m torchtitan.train` with benchmarks/titan_spec.py (torchtitan's Qwen3 on the same
-shape, the same random tokens). Both: bf16 compute, fp32 weights and AdamW state, no activation checkpointing,
+checkpoint) and `torchrun -m torchtitan.train` with benchmarks/titan_spec.py (torchtitan's Qwen3 or DeepSeek-V3
+on the same shape, the same random tokens). Both: bf16 compute, fp32 weights and AdamW state, no activation checkpointing,
 blocks compiled with fullgraph=True, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launcher
 sets it). Throughput is tokens over wall time of the steps after `--warmup`; memory is the peak the allocator
 reserved in those steps (what torchtitan logs). MFU is against 989 TFLOP/s (torchtitan's H100/H200 bf16 peak)
@@ -38,10 +40,12 @@ from tandem.jsonl import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_FLOPS = 989e12
-RECIPES = {
-    "dense": "examples/advanced/qwen3-1.7b/sft-max-perf.toml",
-    "moe": "examples/advanced/qwen3-moe/sft-max-perf.toml",
+RECIPES = {  # by the shape's model_type
+    "qwen3": "examples/advanced/qwen3-1.7b/sft-max-perf.toml",
+    "qwen3_moe": "examples/advanced/qwen3-moe/sft-max-perf.toml",
+    "deepseek_v3": "examples/advanced/deepseek-v3/sft-max-perf.toml",
 }
+TRAINERS = ("torchtitan", "tandem")
 TITAN_LINE = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
 
 
@@ -105,7 +109,7 @@ def run_tandem(run: Run, work: Path, warmup: int, timeout: float) -> Result:
     model_dir = work / f"model-{run.shape}"
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(shape.hf_config()))
-    recipe = RECIPES["moe" if shape.moe else "dense"]
+    recipe = RECIPES[shape.model_type]
     command = [
         sys.executable, "-m", "tandem", "sft", "@", str(ROOT / recipe), "--model.name", str(model_dir), "--random-init",
         "--data.fake", "--seq-len", str(run.seq_len), "--batch-size", str(run.batch), "--micro-batch-size", str(run.batch),
@@ -137,7 +141,7 @@ def run_torchtitan(run: Run, work: Path, warmup: int, timeout: float) -> Result:
     shape = SHAPES[run.shape]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "torchtitan.train",
-        "--experimental.custom_import", "titan_spec", "--model.name", "qwen3_bench", "--model.flavor", run.shape,
+        "--experimental.custom_import", "titan_spec", "--model.name", shape.titan_spec, "--model.flavor", run.shape,
         "--training.seq_len", str(run.seq_len), "--training.local_batch_size", str(run.batch),
         "--training.steps", str(run.steps), "--training.dtype", "float32", "--training.mixed_precision_param",
         "bfloat16", "--training.max_norm", "1.0", "--optimizer.name", "AdamW", "--optimizer.lr", "1e-5",
@@ -179,17 +183,20 @@ def plan(smoke: bool) -> list[Run]:
             Run("torchtitan-tiny-moe", "torchtitan", "tiny-moe", 2, 512, 3),
             Run("tandem-tiny-moe", "tandem", "tiny-moe", 2, 512, 3, ["--speed.sync-debug", "error"]),
             Run("tandem-tiny-triton-rope", "tandem", "tiny", 2, 512, 3, ["--speed.rope-kernel", "triton"]),
+            Run("torchtitan-tiny-dsv3", "torchtitan", "tiny-dsv3", 2, 512, 3),
+            Run("tandem-tiny-dsv3", "tandem", "tiny-dsv3", 2, 512, 3, ["--speed.sync-debug", "error"]),
+            Run("tandem-tiny-dsv3-triton-rope", "tandem", "tiny-dsv3", 2, 512, 3, ["--speed.rope-kernel", "triton"]),
         ]
-    dense, moe = ("qwen3-1.7b", 4, 4096), ("qwen3-30b-a3b-6l", 2, 4096)
-    runs = [
-        Run("torchtitan-dense", "torchtitan", *dense, 12),
-        Run("tandem-dense", "tandem", *dense, 12),
-        Run("torchtitan-moe", "torchtitan", *moe, 12),
-        Run("tandem-moe", "tandem", *moe, 12),
-        Run("profile-tandem-dense", "tandem", *dense, 6, profile=True),
-        Run("profile-torchtitan-dense", "torchtitan", *dense, 6, profile=True),
-        Run("profile-tandem-moe", "tandem", *moe, 6, profile=True),
-        Run("profile-torchtitan-moe", "torchtitan", *moe, 6, profile=True),
+    shapes = {
+        "dense": ("qwen3-1.7b", 4, 4096),
+        "moe": ("qwen3-30b-a3b-6l", 2, 4096),
+        "dsv3": ("moonlight-16b-a3b-4l", 2, 4096),
+    }
+    runs = [Run(f"{trainer}-{kind}", trainer, *shapes[kind], 12) for kind in shapes for trainer in TRAINERS]
+    runs += [
+        Run(f"profile-{trainer}-{kind}", trainer, *shapes[kind], 6, profile=True)
+        for kind in shapes
+        for trainer in TRAINERS[::-1]
     ]
     ablations = [
         ("dense", "-fused-loss", ["--speed.no-fused-loss"]),
@@ -204,10 +211,12 @@ def plan(smoke: bool) -> list[Run]:
         ("moe", "-with-fsdp", ["--speed.fsdp-single-process"]),
         ("moe", "-fused-loss", ["--speed.no-fused-loss"]),
         ("moe", "-loop-experts", ["--model.moe-backend", "loop", "--no-fullgraph"]),
+        ("dsv3", "-triton-rope", ["--speed.rope-kernel", "triton"]),
+        ("dsv3", "-swiglu-kernel", ["--speed.swiglu-kernel", "torch"]),
+        ("dsv3", "-cudnn-first", ["--speed.sdpa-backends", "[]"]),
+        ("dsv3", "-with-fsdp", ["--speed.fsdp-single-process"]),
     ]
-    for kind, name, flags in ablations:
-        shape = dense if kind == "dense" else moe
-        runs.append(Run(f"tandem-{kind}{name}", "tandem", *shape, 8, flags))
+    runs += [Run(f"tandem-{kind}{name}", "tandem", *shapes[kind], 8, flags) for kind, name, flags in ablations]
     return runs
 
 
