@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from support.model_parity import (
+    DEEPSEEK_V3,
     TOL,
     assert_backends_agree,
     assert_cache_matches_forward,
@@ -24,40 +25,7 @@ from support.model_parity import (
 from tandem.models import ModelConfigError, build_model, load_model, model_args, save_model
 from tandem.models.layers.mla import MLAttention
 
-CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "vocab_size": 256,
-    "hidden_size": 72,
-    "intermediate_size": 88,
-    "moe_intermediate_size": 24,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 3,
-    "num_key_value_heads": 3,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 3,
-    "n_group": 2,
-    "topk_group": 1,
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
-    "norm_topk_prob": True,
-    "q_lora_rank": 28,
-    "kv_lora_rank": 20,
-    "qk_nope_head_dim": 12,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 10,
-    "rope_interleave": True,
-    "num_nextn_predict_layers": 1,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "torch_dtype": "float32",
-}
+CONFIG = DEEPSEEK_V3
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,

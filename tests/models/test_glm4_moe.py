@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from support.model_parity import (
+    GLM4_MOE,
     assert_backends_agree,
     assert_cache_matches_forward,
     assert_packed_parity,
@@ -20,37 +21,7 @@ from support.model_parity import (
 )
 from tandem.models import ModelConfigError, load_model, model_args
 
-CONFIG = {
-    "architectures": ["Glm4MoeForCausalLM"],
-    "model_type": "glm4_moe",
-    "vocab_size": 256,
-    "hidden_size": 72,
-    "intermediate_size": 88,
-    "moe_intermediate_size": 24,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 2,
-    "head_dim": 12,
-    "partial_rotary_factor": 0.5,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 3,
-    "n_group": 2,
-    "topk_group": 1,
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
-    "norm_topk_prob": True,
-    "use_qk_norm": True,
-    "attention_bias": True,
-    "num_nextn_predict_layers": 1,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+CONFIG = GLM4_MOE
 VARIANTS = {
     "qk-norm, biases": {},
     "no qk-norm, default partial rotary, 5 layers": {

@@ -13,11 +13,82 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.models import KVCache, save_model
 from tandem.models.layers import document_ids, document_mask
+from tandem.testing.tiny import SPECIAL_TOKENS, write_tokenizer
 
 TOL = 1e-4  # fp32 max abs logit difference vs transformers
 HF_REFERENCE = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager"}
 """The plain transformers implementations as the reference: eager attention and the per-expert loop (some
 transformers versions default to a grouped_mm experts kernel that disagrees with their own loop on CPU)."""
+
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 256,
+    "hidden_size": 72,
+    "intermediate_size": 88,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "q_lora_rank": 28,
+    "kv_lora_rank": 20,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "rope_interleave": True,
+    "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "float32",
+}
+"""A tiny DeepSeek-V3: odd sizes (hidden 72, 3 heads, q rank 28, latent rank 20, RoPE part 8), a dense first
+layer, 8 experts in 2 groups of which 1 is kept, top-3, one shared expert."""
+
+GLM4_MOE = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "vocab_size": 256,
+    "hidden_size": 72,
+    "intermediate_size": 88,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 12,
+    "partial_rotary_factor": 0.5,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "use_qk_norm": True,
+    "attention_bias": True,
+    "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+"""A tiny GLM-4.5: GQA 6/2 with q/k/v bias, qk-norm, RoPE on half of each 12-dim head; DeepSeek-V3's MoE."""
 
 
 def write_hf_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
@@ -38,6 +109,14 @@ def write_hf_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
     model.save_pretrained(path)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
     return Path(path)
+
+
+def write_servable_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """`write_hf_model` with the tiny models' tokenizer beside it, the vocabulary sized to it and `<|im_end|>` as
+    EOS: a directory the engine serves and `tandem rl` trains, as it does the tiny Qwen3."""
+    vocab = write_tokenizer(path)
+    special = {"bos_token_id": None, "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"), "pad_token_id": 0}
+    return write_hf_model(path, {**config, "vocab_size": vocab, **special}, seed)
 
 
 def hf_load(path: Path, **kw: Any) -> torch.nn.Module:
