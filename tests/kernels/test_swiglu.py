@@ -86,4 +86,7 @@ def test_trainer_refuses_triton_kernels_without_gpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=r"speed.swiglu_kernel = triton: Triton kernels need CUDA"):
         kernel_options(torch.device("cpu"), swiglu="triton")
-    assert kernel_options(torch.device("cpu")) == {"rope_backend": "torch", "swiglu_backend": "torch"}
+    with pytest.raises(ConfigError, match=r"speed.index_kernel = triton: Triton kernels need CUDA"):
+        kernel_options(torch.device("cpu"), index="triton")
+    expected = {"rope_backend": "torch", "swiglu_backend": "torch", "index_backend": "torch"}
+    assert kernel_options(torch.device("cpu")) == expected

@@ -16,6 +16,7 @@ from tandem.config.common import ModelConfig
 from tandem.kernels import triton_unavailable_reason
 from tandem.models import ModelArgs, build_model, load_model, model_args, save_model
 from tandem.models.checkpoint import INDEX_FILE
+from tandem.models.layers.indexer import INDEX_BACKENDS
 from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
 from tandem.trainer.expert_parallel import apply_expert_parallel
@@ -44,10 +45,16 @@ def runtime_options(config: ModelConfig, freeze_router_default: bool) -> dict:
     }
 
 
-def kernel_options(device: torch.device, rope: str = "torch", swiglu: str = "torch") -> dict[str, str]:
-    """The models' `rope_backend` and `swiglu_backend` runtime options; the Triton kernels, which models may not
-    import, are registered here."""
-    chosen = [f"speed.{name}_kernel" for name, kernel in (("rope", rope), ("swiglu", swiglu)) if kernel == "triton"]
+def kernel_options(
+    device: torch.device, rope: str = "torch", swiglu: str = "torch", index: str = "torch"
+) -> dict[str, str]:
+    """The models' `rope_backend`, `swiglu_backend` and `index_backend` runtime options; the Triton kernels,
+    which models may not import, are registered here."""
+    chosen = [
+        f"speed.{name}_kernel"
+        for name, kernel in (("rope", rope), ("swiglu", swiglu), ("index", index))
+        if kernel == "triton"
+    ]
     reason = triton_unavailable_reason(device.type) if chosen else None
     if reason is not None:
         raise ConfigError(f"{' and '.join(chosen)} = triton: {reason}")
@@ -59,7 +66,11 @@ def kernel_options(device: torch.device, rope: str = "torch", swiglu: str = "tor
         from tandem.kernels.swiglu import swiglu as swiglu_triton
 
         SWIGLU_BACKENDS[swiglu] = swiglu_triton
-    return {"rope_backend": rope, "swiglu_backend": swiglu}
+    if index == "triton" and index not in INDEX_BACKENDS:
+        from tandem.kernels.indexer import index_scores_triton
+
+        INDEX_BACKENDS[index] = index_scores_triton
+    return {"rope_backend": rope, "swiglu_backend": swiglu, "index_backend": index}
 
 
 def active_params(model: torch.nn.Module, args: ModelArgs) -> int:
