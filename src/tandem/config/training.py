@@ -57,8 +57,7 @@ class SpeedConfig(Section):
     swiglu_kernel: Literal["torch", "triton"] = "torch"
     """Dense MLPs' silu(gate) * up as torch ops, or as one Triton kernel forward and one backward (GPU)."""
     index_kernel: Literal["torch", "triton"] = "torch"
-    """DeepSeek-V3.2's indexer scores as torch ops, or as one tiled Triton kernel that never forms the per-head
-    `[tokens, heads, keys]` intermediate (GPU; other models ignore it)."""
+    """DeepSeek-V3.2's indexer scores as torch ops, or as one tiled Triton kernel (GPU; other models ignore it)."""
     moe_balanced_routing: bool = False
     """Benchmarks only: route tokens round-robin so every expert gets the same count (not a real router; in RL the trainer then scores another policy than inference samples)."""
     sync_debug: Literal["off", "warn", "error"] = "off"
