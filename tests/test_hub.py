@@ -16,6 +16,7 @@ from support.fake_hub import FakeHub
 from support.runs import tandem_rl, write_rl_sources
 from support.servers import AppThread
 from tandem.config import ConfigError, load_config
+from tandem.config.eval import EvalConfig
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig
 from tandem.hub import fetch, is_hub_id, resolve_models
@@ -76,6 +77,13 @@ def test_every_model_of_an_rl_config_resolves_to_one_snapshot_served_under_the_h
     assert config.model.name == config.trainer.model.name == str(snapshot)
     assert config.inference.model.name == config.orchestrator.model.name == str(snapshot)
     assert config.inference.served_model_name == "acme/tiny"
+
+
+def test_an_evals_built_in_server_serves_the_hub_id(hub_cache, tiny_model_dir):
+    snapshot = add_to_cache(hub_cache, "acme/tiny", tiny_model_dir("qwen3"))
+    config, _ = load_config(EvalConfig, ["--model", "acme/tiny"])
+    resolve_models(config)
+    assert (config.model.name, config.served_model_name) == (str(snapshot), "acme/tiny")
 
 
 def test_a_name_the_user_gave_the_server_is_kept(hub_cache, tiny_model_dir):

@@ -109,6 +109,8 @@ class EvalConfig(RunConfig):
     """API key sent to `base_url`."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Seconds to wait for the built-in server (started when base_url is unset) to answer /health."""
+    served_model_name: str = ""
+    """Model id the built-in server serves and records name (default: its directory's name; a Hub id: the id)."""
     env: EvalEnvConfig = Field(default_factory=EvalEnvConfig)
     """Defaults of every source; the one source when no [[source]] block is given."""
     source: list[EvalSourceConfig] = Field(default_factory=list)

@@ -76,7 +76,13 @@ def _stop(process: subprocess.Popen) -> None:
 
 @contextmanager
 def local_server(
-    model: ModelConfig, *, run_dir: Path, seq_len: int, log_level: str, startup_timeout_s: float
+    model: ModelConfig,
+    *,
+    run_dir: Path,
+    seq_len: int,
+    log_level: str,
+    startup_timeout_s: float,
+    served_model_name: str = "",
 ) -> Iterator[str]:
     """Serve `model` with `tandem inference` while the block runs; yields the server's base URL."""
     command = [
@@ -88,6 +94,7 @@ def local_server(
         "--output-dir", str(run_dir),
         "--run-name", "inference",
         "--log.level", log_level,
+        *(["--served-model-name", served_model_name] if served_model_name else []),
     ]  # fmt: skip
     log_path = run_dir / "logs" / "inference-server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,7 @@ def _server(config: EvalConfig, run_dir: Path) -> Iterator[str]:
         seq_len=config.seq_len,
         log_level=config.log.level,
         startup_timeout_s=config.startup_timeout_s,
+        served_model_name=config.served_model_name,
     ) as url:
         yield url
 
