@@ -57,6 +57,7 @@ ALLOWED: dict[str, tuple[str, ...] | str] = {
     "launch": EVERYTHING,
     "shared_gpu": EVERYTHING,
     "view": EVERYTHING,
+    "merge": ("models", "config", "hub", "run"),  # `tandem merge-lora`
     "__main__": ("cli",),
     "__init__": (),
 }

@@ -75,6 +75,12 @@ COMMANDS = {
             "tandem.trainer.rl:train",
         ),
         Command(
+            "merge-lora",
+            "Fold a PEFT LoRA adapter into its base model and write a full Hugging Face checkpoint.",
+            "tandem.config.merge:MergeLoraConfig",
+            "tandem.merge:run",
+        ),
+        Command(
             "dashboard",
             "A local web page over every run and eval.",
             "tandem.config.dashboard:DashboardConfig",

@@ -16,6 +16,49 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 MoeBackend = Literal["loop", "grouped_mm"]
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Hugging Face projection names LoRA adapters may target (attention, then dense MLP / shared experts)."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA), saved and loaded in PEFT's format (docs/lora.md)."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank r (0: off, full fine-tuning). On: only the adapters train; the base weights stay frozen in model.dtype."""
+    alpha: float = Field(16.0, gt=0)
+    """Scaling numerator: the adapter's output is multiplied by alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on each adapter's input during training (PEFT's `lora_dropout`)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """Projections to adapt, by Hugging Face name (default: every attention and MLP projection): any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
+    experts: bool = False
+    """Adapters on the routed experts of MoE layers too (not implemented: only false is accepted; shared experts and dense MLPs are adapted by gate_proj/up_proj/down_proj)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        unknown = [name for name in value if name not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown LoRA target {', '.join(unknown)}; valid: {', '.join(LORA_TARGETS)}")
+        if not value:
+            raise ValueError(f"name at least one LoRA target of: {', '.join(LORA_TARGETS)}")
+        return list(dict.fromkeys(value))
+
+    @field_validator("experts")
+    @classmethod
+    def _no_expert_adapters(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "adapters on routed MoE experts are not implemented; set it to false (attention, dense MLPs and "
+                "shared experts are still adapted)"
+            )
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ModelConfig(Section):
     name: str = ""
     """Hugging Face model directory (config.json + safetensors + tokenizer files) or Hub id (`Qwen/Qwen3-0.6B`, fetched into the Hugging Face cache once)."""
@@ -31,6 +74,8 @@ class ModelConfig(Section):
     """Stop gradients into MoE routers (default: on in RL, so expert choices match inference; off in SFT)."""
     expert_parallel: int = Field(1, ge=1)
     """Trainer: split each MoE layer's experts over this many ranks, tokens sent to them by all-to-all (1: FSDP shards experts like every other weight). Divides the trainer's world size and the number of experts."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (`--model.lora.rank 8`)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import OptimConfig
@@ -52,3 +52,12 @@ class TrainerConfig(TrainingRunConfig):
     """Fail if the orchestrator's batch for the next step does not arrive within this time."""
     weights: WeightsConfig = WeightsConfig()
     """How each new policy is handed to inference."""
+
+    @model_validator(mode="after")
+    def _no_lora_yet(self) -> TrainerConfig:
+        if self.model.lora.enabled:
+            raise ValueError(
+                "model.lora: LoRA adapters train in `tandem sft` only so far (RL with LoRA is not implemented "
+                "yet); set model.lora.rank = 0"
+            )
+        return self

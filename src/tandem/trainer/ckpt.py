@@ -3,7 +3,8 @@
 Layout of `<run>/checkpoints/step-<N>/`, written by W ranks:
 
 - `model-<r>-of-<W>.safetensors`: the fp32 master weights rank r holds (its FSDP2 shard of each tensor, its
-  experts under expert parallelism; rank 0 also what every rank holds whole). The file's metadata
+  experts under expert parallelism; rank 0 also what every rank holds whole). With LoRA (`[model.lora]`) only
+  the adapters: the frozen base is `model.name` and is loaded from there again on resume. The file's metadata
   `tandem.pieces` says where each of them sits: `{name: {"shape": whole shape, "offset": [start per dim]}}`.
 - `optimizer-<r>-of-<W>.safetensors`: the AdamW moments, keyed `<parameter>::<state>`, sharded the same way.
 - `state.json`: step, world size, scheduler, optimizer param groups, RNG, anything else the loop needs.
@@ -51,6 +52,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from tandem.checkpoints import checkpoint_dir, checkpoints_root, list_checkpoints
 from tandem.config.errors import ConfigError
 from tandem.files import atomic_write_text
+from tandem.models.lora import is_adapter_name, lora_args
 from tandem.trainer.expert_parallel import Piece, expert_params, expert_piece
 
 logger = logging.getLogger(__name__)
@@ -216,6 +218,8 @@ class _Layout:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.params = get_model_state_dict(model, options=_SHARDED)
+        if lora_args(model) is not None:  # the frozen base is reloaded from model.name: only adapters are saved
+            self.params = {name: value for name, value in self.params.items() if is_adapter_name(name)}
         self.experts = expert_params(model)
 
     def like(self, name: str) -> Any:

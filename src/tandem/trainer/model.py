@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
@@ -19,6 +21,7 @@ from tandem.models.checkpoint import INDEX_FILE
 from tandem.models.layers.indexer import INDEX_BACKENDS
 from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
+from tandem.models.lora import LoraArgs, apply_lora, is_adapter_name, lora_args, write_adapter
 from tandem.trainer.expert_parallel import apply_expert_parallel
 from tandem.trainer.metrics import flops_per_token
 from tandem.trainer.parallel import DTYPES, World, full_tensors, shard_model
@@ -134,10 +137,15 @@ def build_training_model(
     read_model_args(config)
     source = Path(config.model.name)
     runtime = runtime_options(config.model, freeze_router_default=config.command == "trainer") | runtime_extra
+    lora = check_lora(config)
+    # With LoRA the frozen base is held in the compute dtype (no fp32 masters to update); adapters are fp32.
+    dtype = DTYPES[config.model.dtype] if lora is not None else torch.float32
     if config.random_init:
-        model = build_model(source, dtype=torch.float32, device=world.device, seed=config.seed, **runtime)
+        model = build_model(source, dtype=dtype, device=world.device, seed=config.seed, **runtime)
     else:
-        model = load_model(source, dtype=torch.float32, device=world.device, **runtime)
+        model = load_model(source, dtype=dtype, device=world.device, **runtime)
+    if lora is not None:
+        apply_lora(model, lora, seed=config.seed)
     args: ModelArgs = model.args
     info = ModelInfo(
         args=args,
@@ -162,7 +170,9 @@ def build_training_model(
         if config.compile:
             block.compile(fullgraph=config.fullgraph)
         if wrap:
-            model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+            # LoRA dropout draws random masks inside the block: the recompute must draw the same ones
+            preserve = lora is not None and lora.dropout > 0
+            model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=preserve)
     if shard or world.world_size > 1:
         shard_model(model, config.model.dtype)
     else:
@@ -177,16 +187,74 @@ def build_training_model(
             config.compile,
             config.model.expert_parallel,
         )
+        if lora is not None:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            logger.info(
+                "LoRA: rank %d, alpha %g, dropout %g on %s; %.2fM trainable parameters, base frozen in %s",
+                lora.rank,
+                lora.alpha,
+                lora.dropout,
+                ", ".join(lora.target_modules),
+                trainable / 1e6,
+                config.model.dtype,
+            )
     return model, info
 
 
+def check_lora(config) -> LoraArgs | None:
+    """The `LoraArgs` of `[model.lora]`, or None when it is off; ConfigError for what LoRA does not run with yet."""
+    section = config.model.lora
+    if not section.enabled:
+        return None
+    if config.command != "sft":
+        raise ConfigError(
+            "model.lora: adapters train in `tandem sft` only so far (RL with LoRA is not implemented yet); "
+            "set model.lora.rank = 0"
+        )
+    if config.model.expert_parallel > 1:
+        raise ConfigError("model.lora does not run with model.expert_parallel > 1 yet; set model.expert_parallel = 1")
+    return LoraArgs(
+        rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=tuple(section.target_modules)
+    )
+
+
 def export_hf(model: torch.nn.Module, info: ModelInfo, path: Path, world: World, dtype: str) -> None:
-    """Gather the full weights and write a Hugging Face directory from rank 0."""
+    """Gather the full weights and write a Hugging Face directory from rank 0; with LoRA, the PEFT adapter
+    directory instead (`export_adapter`)."""
+    if lora_args(model) is not None:
+        export_adapter(model, info, path, world)
+        return
     state = {name: tensor.cpu() for name, tensor in full_tensors(model) if world.is_main}
     if world.is_main:
         export = build_model(info.args, device="meta")
         export.load_state_dict(state, assign=True, strict=True)
         save_model(export, path, dtype=DTYPES[dtype], tokenizer_dir=info.source_dir)
         logger.info("saved Hugging Face checkpoint %s", path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def gather_adapters(model: torch.nn.Module, world: World) -> dict[str, torch.Tensor]:
+    """Runtime name -> whole fp32 adapter tensor on the CPU, on rank 0 (empty elsewhere). Collective: only the
+    adapters are gathered, never the frozen base."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    adapters = {}
+    for name, value in state.items():
+        if not is_adapter_name(name):
+            continue
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        if world.is_main:
+            adapters[name] = whole.detach().float().cpu()
+    return adapters
+
+
+def export_adapter(model: torch.nn.Module, info: ModelInfo, path: Path, world: World) -> None:
+    """Write the adapters as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`, fp32)
+    from rank 0; `peft.PeftModel.from_pretrained(base, path)` loads it, `tandem merge-lora` merges it."""
+    args = lora_args(model)
+    adapters = gather_adapters(model, world)
+    if world.is_main and args is not None:
+        write_adapter(path, adapters, args, base_model_name=str(info.source_dir))
+        logger.info("saved LoRA adapter (PEFT format) %s", path)
     if dist.is_initialized():
         dist.barrier()

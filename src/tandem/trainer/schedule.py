@@ -8,6 +8,7 @@ import torch
 
 from tandem.config.common import SchedulerConfig
 from tandem.config.training import TrainingRunConfig
+from tandem.models.lora import lora_args, lora_parameters
 from tandem.trainer.expert_parallel import param_groups
 
 
@@ -32,9 +33,10 @@ def build_scheduler(
 def build_optimizer(
     model: torch.nn.Module, config: TrainingRunConfig, fused: bool = False
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the (fp32 master) parameters and its schedule over `config.max_steps`."""
+    """AdamW over the (fp32 master) parameters, or only the LoRA adapters when the model has them, and its
+    schedule over `config.max_steps`."""
     optimizer = torch.optim.AdamW(
-        param_groups(model),
+        lora_parameters(model) if lora_args(model) is not None else param_groups(model),
         lr=config.optim.lr,
         betas=config.optim.betas,
         eps=config.optim.eps,

@@ -277,7 +277,8 @@ def train(config: SftConfig) -> int:
     finally:
         monitor.close()
     if world.is_main and config.speed.save_final:
-        logger.info("done: %d steps; Hugging Face checkpoint in %s", config.max_steps, config.run_dir / "hf" / "final")
+        what = "LoRA adapter (PEFT format)" if config.model.lora.enabled else "Hugging Face checkpoint"
+        logger.info("done: %d steps; %s in %s", config.max_steps, what, config.run_dir / "hf" / "final")
     del training
     shutdown_distributed()
     return 0

@@ -1,0 +1,429 @@
+"""LoRA adapters on tandem's runtime layouts, saved and loaded in PEFT's format (docs/lora.md).
+
+A targeted projection becomes a `LoraLinear`: still an `nn.Linear` with the same `weight` and `bias` (so every
+runtime and HF name of the base model is unchanged), plus one low-rank pair per Hugging Face projection it holds.
+A fused projection holds several: `qkv_proj` (rows q heads, k heads, v heads) holds `q_proj`, `k_proj` and
+`v_proj`, `gate_up_proj` holds `gate_proj` and `up_proj`; a plain one (`o_proj`, `down_proj`, MLA's `q_proj`) holds
+itself. Each pair maps 1:1 to PEFT's `<hf module>.lora_A/B.weight`, and only targeted segments get one:
+
+    y = base(x) + concat over segments s of (scale * B_s(A_s(dropout(x))) if s is targeted else 0)
+
+with `scale = alpha / rank`, A kaiming-uniform(a=sqrt(5)) and B zeros, as PEFT initialises them. Adapter
+parameters are fp32 and named `<module>.lora_A.<hf projection>.weight` (`layers.0.self_attn.qkv_proj.lora_A.q_proj
+.weight`); the base weights are frozen (`requires_grad=False`). Routed MoE experts (stacked parameters) are never
+adapted; dense MLPs and shared experts are.
+
+Functions: `apply_lora`, `lora_args`, `lora_parameters`, `adapter_state_dict`, `is_adapter_name`, `peft_key`,
+`to_peft_state_dict`, `from_peft_state_dict`, `peft_config`, `save_adapter`, `write_adapter`, `read_adapter`,
+`load_peft_adapter`, `merge_lora`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .checkpoint import _remove_interrupted_saves, _replace_dir
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Hugging Face projection names adapters may target."""
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before the base model's own parameter names in a saved adapter."""
+PEFT_VERSION = "0.21.2"
+"""The PEFT version whose `adapter_config.json` keys `peft_config` writes."""
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.)")
+_ADAPTER = re.compile(r"^(?P<module>.+)\.(?P<runtime>[^.]+)\.lora_(?P<ab>[AB])\.(?P<proj>[^.]+)\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that does not fit the model, or a PEFT adapter tandem cannot load; the message says which."""
+
+
+@dataclass(frozen=True)
+class LoraArgs:
+    """What `apply_lora` adds: rank r, alpha (scale = alpha / r), input dropout, the HF projections targeted."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise LoraError(f"LoRA rank must be positive, got {self.rank}")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown or not self.target_modules:
+            raise LoraError(f"unknown LoRA targets {unknown}; valid: {', '.join(LORA_TARGETS)}")
+        if not 0 <= self.dropout < 1:
+            raise LoraError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        object.__setattr__(self, "target_modules", tuple(dict.fromkeys(self.target_modules)))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraLinear(nn.Linear):
+    """An `nn.Linear` (the same `weight` and `bias` objects as the one it replaces) with adapters on some of its
+    row segments; `segments` are (HF projection, rows) in row order."""
+
+    def __init__(self, base: nn.Linear, segments: tuple[tuple[str, int], ...], args: LoraArgs) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.lora = args
+        self.sizes = tuple(size for _, size in segments)
+        self.names = tuple(name for name, _ in segments)
+        self.targeted = tuple(i for i, name in enumerate(self.names) if name in args.target_modules)
+        device = base.weight.device
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        for i in self.targeted:
+            name = self.names[i]
+            self.lora_A[name] = nn.Linear(self.in_features, args.rank, bias=False, device=device, dtype=torch.float32)
+            self.lora_B[name] = nn.Linear(args.rank, self.sizes[i], bias=False, device=device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's init: A kaiming-uniform with a = sqrt(5) (nn.Linear's), B zeros, so the adapter starts at 0."""
+        for name in self.lora_A:
+            weight = self.lora_A[name].weight
+            bound = 1.0 / math.sqrt(weight.shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
+            weight.uniform_(-bound, bound, generator=generator)
+            self.lora_B[name].weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        parts = list(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [y]
+        scale = self.lora.scale
+        for i in self.targeted:
+            a, b = self.lora_A[self.names[i]], self.lora_B[self.names[i]]
+            h = x.to(a.weight.dtype)
+            if self.lora.dropout:
+                h = F.dropout(h, self.lora.dropout, self.training)
+            parts[i] = parts[i] + (b(a(h)) * scale).to(parts[i].dtype)
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """`scale * B @ A` of projection `name`, fp32, `[rows of the segment, in_features]`."""
+        a, b = self.lora_A[name].weight.float(), self.lora_B[name].weight.float()
+        return (b @ a) * self.lora.scale
+
+    def extra_repr(self) -> str:
+        adapted = [self.names[i] for i in self.targeted]
+        return f"{super().extra_repr()}, lora_rank={self.lora.rank}, adapted={adapted}"
+
+
+def _segments(parent: nn.Module, leaf: str, module: nn.Linear) -> tuple[tuple[str, int], ...] | None:
+    """The HF projections a runtime projection holds, or None for a module adapters never go on."""
+    if leaf == "qkv_proj" and hasattr(parent, "sizes"):
+        return tuple(zip(_FUSED[leaf], parent.sizes, strict=True))
+    if leaf == "gate_up_proj":
+        half = module.out_features // 2
+        return (("gate_proj", half), ("up_proj", half))
+    if leaf in LORA_TARGETS:
+        return ((leaf, module.out_features),)
+    return None
+
+
+def apply_lora(model: nn.Module, args: LoraArgs, *, seed: int | None = None) -> list[str]:
+    """Freeze every parameter of `model` and put fp32 adapters on the projections `args.target_modules` names, in
+    place; returns the runtime names of the modules adapted. Call it on a plain `CausalLM` (before activation
+    checkpointing, compile and FSDP). `seed` makes the A init reproducible (B is zero)."""
+    if any(isinstance(m, LoraLinear) for m in model.modules()):
+        raise LoraError("the model already has LoRA adapters")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    found = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name == "lm_head":
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        segments = _segments(parent, leaf, module)
+        if segments and any(s in args.target_modules for s, _ in segments):
+            found.append((name, parent, leaf, LoraLinear(module, segments, args)))
+    if not found:
+        raise LoraError(f"no projection of this model matches the LoRA targets {list(args.target_modules)}")
+    generator = None
+    for _, parent, leaf, wrapped in found:
+        if generator is None and seed is not None:
+            generator = torch.Generator(wrapped.weight.device).manual_seed(seed)
+        if wrapped.weight.device.type != "meta":
+            wrapped.reset_lora_parameters(generator)
+        setattr(parent, leaf, wrapped)
+    return [name for name, *_ in found]
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
+    return ((name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear))
+
+
+def lora_args(model: nn.Module) -> LoraArgs | None:
+    """The model's `LoraArgs`, or None without adapters."""
+    return next((module.lora for _, module in lora_modules(model)), None)
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter or state-dict name is an adapter weight (`...lora_A.<proj>.weight`)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters (what an optimizer trains), in module order."""
+    return [p for name, p in model.named_parameters() if is_adapter_name(name)]
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without what activation checkpointing, compile or FSDP1 wrapping insert."""
+    return _WRAPPERS.sub(r"\1", name).lstrip(".")
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Runtime name -> adapter tensor (detached, not copied) of an unsharded model."""
+    return {clean_name(name): p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
+
+
+def peft_key(runtime_name: str) -> str:
+    """The PEFT key of an adapter tensor: `layers.0.self_attn.qkv_proj.lora_A.q_proj.weight` ->
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    match = _ADAPTER.match(clean_name(runtime_name))
+    if match is None:
+        raise LoraError(f"{runtime_name} is not an adapter weight name")
+    return f"{PEFT_PREFIX}model.{match['module']}.{match['proj']}.lora_{match['ab']}.weight"
+
+
+def to_peft_state_dict(adapters: Mapping[str, torch.Tensor] | nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT key -> tensor, from runtime adapter tensors (or an unsharded model's)."""
+    if isinstance(adapters, nn.Module):
+        adapters = adapter_state_dict(adapters)
+    return {peft_key(name): tensor for name, tensor in adapters.items()}
+
+
+def from_peft_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Runtime name -> tensor for `model`'s adapters from a PEFT state dict (keys with or without PEFT's
+    `base_model.model.` prefix and adapter name); LoraError naming the missing and unexpected keys."""
+    wanted = {peft_key(name): name for name in adapter_state_dict(model)}
+    out, unexpected = {}, []
+    for key, tensor in tensors.items():
+        plain = re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key) if key not in wanted else key
+        if plain not in wanted and not plain.startswith(PEFT_PREFIX):
+            plain = PEFT_PREFIX + plain
+        if plain in wanted:
+            out[wanted[plain]] = tensor
+        else:
+            unexpected.append(key)
+    missing = sorted(k for k, name in wanted.items() if name not in out)
+    if missing or unexpected:
+        raise LoraError(
+            f"the adapter does not match the model's LoRA layout: missing {missing[:5]} ({len(missing)}), "
+            f"unexpected {sorted(unexpected)[:5]} ({len(unexpected)})"
+        )
+    return out
+
+
+def peft_config(args: LoraArgs, base_model_name: str = "") -> dict[str, Any]:
+    """`adapter_config.json` as PEFT 0.21 writes it for `LoraConfig(r, lora_alpha, lora_dropout, target_modules,
+    task_type="CAUSAL_LM")` of a saved (inference-mode) PeftModel."""
+    alpha = int(args.alpha) if float(args.alpha).is_integer() else args.alpha
+    return {
+        "alora_invocation_tokens": None,
+        "alpha_pattern": {},
+        "arrow_config": None,
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model_name or None,
+        "bias": "none",
+        "corda_config": None,
+        "ensure_weight_tying": False,
+        "eva_config": None,
+        "exclude_modules": None,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "kasa_config": None,
+        "layer_replication": None,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "loftq_config": {},
+        "lora_alpha": alpha,
+        "lora_bias": False,
+        "lora_dropout": args.dropout,
+        "lora_ga_config": None,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "modules_to_save": None,
+        "monteclora_config": None,
+        "peft_type": "LORA",
+        "peft_version": PEFT_VERSION,
+        "qalora_group_size": 16,
+        "r": args.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": sorted(args.target_modules),
+        "target_parameters": None,
+        "task_type": "CAUSAL_LM",
+        "trainable_token_indices": None,
+        "use_bdlora": None,
+        "use_dora": False,
+        "use_qalora": False,
+        "use_rslora": False,
+        "velora_config": None,
+    }
+
+
+def write_adapter(
+    path: str | Path,
+    adapters: Mapping[str, torch.Tensor],
+    args: LoraArgs,
+    *,
+    base_model_name: str = "",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) from runtime adapter
+    tensors (`adapter_state_dict`, or gathered from FSDP shards), atomically as `save_model` writes."""
+    path = Path(path)
+    tensors = {key: t.detach().to("cpu", dtype).contiguous().clone() for key, t in to_peft_state_dict(adapters).items()}
+    _remove_interrupted_saves(path)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(args, base_model_name), indent=2, sort_keys=True))
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def save_adapter(
+    model: nn.Module, path: str | Path, *, base_model_name: str = "", dtype: torch.dtype | None = None
+) -> Path:
+    """Write an unsharded model's adapters as a PEFT adapter directory (`base_model_name`: what PEFT records as
+    `base_model_name_or_path`, default the model's source directory)."""
+    args = lora_args(model)
+    if args is None:
+        raise LoraError("the model has no LoRA adapters to save")
+    name = base_model_name or str(getattr(model, "source_dir", "") or "")
+    return write_adapter(path, adapter_state_dict(model), args, base_model_name=name, dtype=dtype)
+
+
+_UNSUPPORTED = {
+    "use_dora": False,
+    "use_rslora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "lora_bias": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layer_replication": None,
+    "target_parameters": None,
+    "trainable_token_indices": None,
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
+}
+
+
+def read_adapter(path: str | Path) -> tuple[LoraArgs, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory's `LoraArgs` and tensors (PEFT keys); LoraError for what tandem does not
+    run (DoRA, rsLoRA, per-module ranks, modules_to_save, bias, ...), naming the setting."""
+    path = Path(path)
+    config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights.is_file():
+        raise LoraError(f"{path} is not a PEFT adapter directory: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    try:
+        config = json.loads(config_file.read_bytes())
+    except ValueError as error:
+        raise LoraError(f"{config_file} is not valid JSON: {error}") from None
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"{config_file}: only PEFT LoRA adapters load (peft_type LORA)")
+    for key, default in _UNSUPPORTED.items():
+        value = config.get(key, default)
+        if value != default and value not in (None, False, [], {}):
+            raise LoraError(f"{config_file}: {key} = {value!r} is not supported (only {default!r})")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise LoraError(f"{config_file}: {key} (per-module ranks or alphas) is not supported")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        targets = list(LORA_TARGETS) if targets == "all-linear" else [targets]
+    if not isinstance(targets, list) or not targets:
+        raise LoraError(f"{config_file}: target_modules must be a list of projection names, got {targets!r}")
+    if unknown := sorted(set(targets) - set(LORA_TARGETS)):
+        raise LoraError(f"{config_file}: targets {unknown} are not supported; tandem adapts {', '.join(LORA_TARGETS)}")
+    args = LoraArgs(
+        rank=int(config["r"]),
+        alpha=float(config.get("lora_alpha", 8)),
+        dropout=float(config.get("lora_dropout", 0.0)),
+        target_modules=tuple(t for t in LORA_TARGETS if t in targets),
+    )
+    try:
+        tensors = load_file(weights)
+    except Exception as error:  # SafetensorError has no importable base besides Exception
+        raise LoraError(f"{weights} is not readable safetensors: {error}") from None
+    return args, tensors
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, path: str | Path) -> LoraArgs:
+    """Load a PEFT LoRA adapter directory into an unsharded model: adapters are added first (`apply_lora`) when
+    the model has none, else they must have the same rank and targets. Returns the adapter's `LoraArgs`."""
+    args, tensors = read_adapter(path)
+    current = lora_args(model)
+    if current is None:
+        apply_lora(model, args)
+    elif (current.rank, set(current.target_modules)) != (args.rank, set(args.target_modules)):
+        raise LoraError(
+            f"adapter {path} has rank {args.rank} on {list(args.target_modules)}; the model's adapters rank "
+            f"{current.rank} on {list(current.target_modules)}"
+        )
+    params = dict(model.named_parameters())
+    by_clean = {clean_name(name): name for name in params if is_adapter_name(name)}
+    for name, tensor in from_peft_state_dict(model, tensors).items():
+        param = params[by_clean[name]]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise LoraError(
+                f"adapter {path}: {peft_key(name)} has shape {tuple(tensor.shape)}, the model {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
+    if current is not None and current != args:
+        for _, module in lora_modules(model):
+            module.lora = args
+    return args
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (`W[segment] += scale * B @ A`, summed in fp32 and rounded once to
+    the weight's dtype) and put plain `nn.Linear`s back, in place; returns the model, which then has no adapters."""
+    for name, module in list(lora_modules(model)):
+        weight = module.weight
+        start = 0
+        for i, (proj, size) in enumerate(zip(module.names, module.sizes, strict=True)):
+            if i in module.targeted:
+                rows = weight[start : start + size]
+                rows.copy_((rows.float() + module.delta_weight(proj).to(rows.device)).to(weight.dtype))
+            start += size
+        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        plain.weight = weight
+        plain.register_parameter("bias", module.bias)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, plain)
+    return model
