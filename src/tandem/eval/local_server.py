@@ -34,8 +34,12 @@ class ServerStartError(RuntimeError):
 
 
 def _inline_table(values: dict[str, Any]) -> str:
-    """`{key = value, ...}`, a TOML inline table (JSON scalars and arrays are valid TOML values)."""
-    return "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in values.items()) + "}"
+    """`{key = value, ...}`, a TOML inline table (JSON scalars and arrays are valid TOML values; tables nest)."""
+    return "{" + ", ".join(f"{key} = {_toml_value(value)}" for key, value in values.items()) + "}"
+
+
+def _toml_value(value: Any) -> str:
+    return _inline_table(value) if isinstance(value, dict) else json.dumps(value)
 
 
 def _wait_until_healthy(server_file: Path, process: subprocess.Popen, log_path: Path, timeout_s: float) -> str:
