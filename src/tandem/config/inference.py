@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tandem.config.common import RunConfig
 
@@ -35,6 +35,10 @@ class InferenceConfig(RunConfig):
     """Log a one-line serving summary and append it to <run>/inference_metrics.jsonl this often (0: never)."""
     served_model_name: str = ""
     """Model id clients ask for and /v1/models lists (default: the model directory's name)."""
+    lora_adapter: Path | None = None
+    """A PEFT LoRA adapter directory to serve on the base model (`model.name`), unmerged; with `model.lora` set too, its rank, alpha and targets must match (docs/lora.md)."""
+    lora_name: str = ""
+    """Model id the adapter is served under (default: served_model_name if set, else the adapter directory's name); the base alone is not served alongside it."""
     weights_dir: Path | None = None
     """Directory /update_weights may load checkpoints from, subfolders included (default: output_dir)."""
     device: str = "auto"
@@ -61,3 +65,12 @@ class InferenceConfig(RunConfig):
     """torch.compile the module-by-module decode step (decode_kernels = torch); adds compile time at start-up."""
     max_logprobs: int = Field(20, ge=0)
     """Largest top_logprobs / logprobs a request may ask for."""
+
+    @model_validator(mode="after")
+    def _lora_on_the_builtin_engine(self) -> InferenceConfig:
+        if self.engine == "vllm" and (self.lora_adapter is not None or self.model.lora.enabled):
+            raise ValueError(
+                "LoRA adapters (inference.lora_adapter, model.lora) are served by the built-in engine only so far; "
+                'use engine = "builtin", or merge the adapter first (tandem merge-lora)'
+            )
+        return self

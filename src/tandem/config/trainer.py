@@ -54,10 +54,10 @@ class TrainerConfig(TrainingRunConfig):
     """How each new policy is handed to inference."""
 
     @model_validator(mode="after")
-    def _no_lora_yet(self) -> TrainerConfig:
-        if self.model.lora.enabled:
+    def _lora_without_dropout(self) -> TrainerConfig:
+        if self.model.lora.enabled and self.model.lora.dropout > 0:
             raise ValueError(
-                "model.lora: LoRA adapters train in `tandem sft` only so far (RL with LoRA is not implemented "
-                "yet); set model.lora.rank = 0"
+                f"model.lora.dropout = {self.model.lora.dropout:g}: RL scores each rollout under the policy that "
+                "sampled it, and the engine runs the adapters without dropout; set model.lora.dropout = 0"
             )
         return self

@@ -26,7 +26,8 @@ from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
 from tandem.inference.serving_log import ServingSummary
 from tandem.inference.startup import Terminated, announce, check_context, stop_on_sigterm
-from tandem.models import load_model
+from tandem.models import build_model, load_model
+from tandem.models.lora import LoraArgs, LoraError, apply_lora, from_peft_state_dict, load_peft_adapter, read_adapter
 from tandem.net import is_loopback
 from tandem.run import prepare_run_dir
 
@@ -90,6 +91,52 @@ def _admin_token(config: InferenceConfig) -> str | None:
     return admin_token
 
 
+def lora_to_serve(config: InferenceConfig, model_dir: Path) -> LoraArgs | None:
+    """The adapters the served model gets, checked before anything is allocated: `inference.lora_adapter` (a PEFT
+    adapter directory that fits the base: every key and shape, on a model built on the meta device) and/or
+    `model.lora` (zero-initialised adapters of that shape, what `tandem rl` serves until the trainer's first
+    hand-off); both set, they must agree. None: no adapters. ConfigError naming the setting otherwise."""
+    section = config.model.lora
+    wanted = None
+    if section.enabled:
+        wanted = LoraArgs(section.rank, section.alpha, 0.0, tuple(section.target_modules))
+    if config.lora_adapter is None:
+        return wanted
+    path = Path(config.lora_adapter).expanduser()
+    try:
+        args, tensors = read_adapter(path)
+    except LoraError as error:
+        raise ConfigError(f"inference.lora_adapter: {error}") from None
+    if wanted is not None and (wanted.rank, wanted.alpha, set(wanted.target_modules)) != (
+        args.rank,
+        args.alpha,
+        set(args.target_modules),
+    ):
+        raise ConfigError(
+            f"inference.lora_adapter {path} has rank {args.rank}, alpha {args.alpha:g} on "
+            f"{list(args.target_modules)}; model.lora asks for rank {wanted.rank}, alpha {wanted.alpha:g} on "
+            f"{list(wanted.target_modules)}"
+        )
+    skeleton = build_model(model_dir, device="meta")
+    try:
+        apply_lora(skeleton, args)
+        shapes = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+        for name, tensor in from_peft_state_dict(skeleton, tensors).items():
+            if tuple(tensor.shape) != shapes[name]:
+                raise LoraError(f"{name} has shape {tuple(tensor.shape)}, the base model's {shapes[name]}")
+    except LoraError as error:
+        raise ConfigError(f"inference.lora_adapter {path} does not fit the base model {model_dir}: {error}") from None
+    return args
+
+
+def served_name(config: InferenceConfig, model_dir: Path) -> str:
+    """The model id clients ask for: with an adapter directory, `lora_name` (else `served_model_name`, else the
+    adapter directory's name); without, `served_model_name` or the model directory's name."""
+    if config.lora_adapter is not None:
+        return config.lora_name or config.served_model_name or Path(config.lora_adapter).resolve().name
+    return config.lora_name or config.served_model_name or model_dir.resolve().name
+
+
 def run(config: InferenceConfig) -> int:
     model_dir = _model_dir(config)
     admin_token = _admin_token(config)
@@ -98,6 +145,7 @@ def run(config: InferenceConfig) -> int:
         from tandem.inference.vllm.launch import serve
 
         return serve(config, model_dir, admin_token)
+    lora = lora_to_serve(config, model_dir)
     device = _device(config.device)
     stop_on_sigterm()
     run_dir = prepare_run_dir(config)
@@ -111,10 +159,15 @@ def run(config: InferenceConfig) -> int:
             moe_backend=config.model.moe_backend,
             freeze_router=config.model.freeze_router,
         )
+        if lora is not None:  # unmerged: the forward keeps the LoraLinear wrappers, a hand-off swaps only adapters
+            apply_lora(model, lora, seed=0)
+            if config.lora_adapter is not None:
+                load_peft_adapter(model, config.lora_adapter)
+            logger.info("LoRA adapters: rank %d on %s", lora.rank, ", ".join(lora.target_modules))
         tokenizer = _tokenizer(model_dir)
         engine = Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer))
         engine.start()
-        name = config.served_model_name or model_dir.resolve().name
+        name = served_name(config, model_dir)
         logger.info(
             "serving %s as `%s` on %s (%s), context %d", model_dir, name, device, config.model.dtype, config.seq_len
         )

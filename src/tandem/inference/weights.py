@@ -11,6 +11,10 @@ The tensor check is `check_same_model`, the one every way of loading weights sha
 compares the tensors it read with its parameters (`read_weights`); a server without tandem's model (vLLM)
 compares the checkpoint's safetensors headers with those of the directory it serves (`check_checkpoint`).
 A refusal is a `WeightsError`: a 400 naming the file, or a 403 for a path outside where weights may come from.
+
+A model served with LoRA adapters (`tandem.models.lora`, docs/lora.md) takes only adapters: its weights are the
+adapter tensors (`weight_targets`), a checkpoint is a PEFT adapter directory (`read_adapter_weights`) and the
+frozen base is never written.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ from tandem.models import (
     model_args,
     open_safetensors,
     resolve_inside,
+)
+from tandem.models.lora import (
+    ADAPTER_CONFIG,
+    LoraError,
+    clean_name,
+    from_peft_state_dict,
+    is_adapter_name,
+    lora_args,
+    read_adapter,
 )
 from tandem.transport.weights.control import check_same_model
 
@@ -99,9 +112,62 @@ def _check_same_model(served: Shapes, offered: Shapes, path: Path) -> None:
         raise WeightsError(problem)
 
 
+def weight_targets(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The parameters new weights replace, by runtime name: every one, or with LoRA adapters only the adapters
+    (the base stays frozen as it was loaded)."""
+    params = dict(model.named_parameters())
+    if lora_args(model) is None:
+        return params
+    return {clean_name(name): param for name, param in params.items() if is_adapter_name(name)}
+
+
+def read_adapter_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
+    """The adapter tensors (runtime names, on CPU) of the PEFT adapter directory `path` for a model served with
+    adapters: the same rank, alpha and targets, every tensor finite and of the served shape."""
+    served = lora_args(model)
+    assert served is not None
+    for name in (ADAPTER_CONFIG, "adapter_model.safetensors"):
+        try:
+            resolve_inside(path / name, path)
+        except OutsideDirectoryError as error:
+            raise ForbiddenWeightsPath(str(error)) from None
+    try:
+        args, peft = read_adapter(path)
+        tensors = from_peft_state_dict(model, peft)
+    except LoraError as error:
+        raise WeightsError(f"cannot load the adapter {path}: {error}") from None
+    offered = (args.rank, args.alpha, set(args.target_modules))
+    if offered != (served.rank, served.alpha, set(served.target_modules)):
+        raise WeightsError(
+            f"{path}: the adapter has rank {args.rank}, alpha {args.alpha:g} on {list(args.target_modules)}; the "
+            f"served adapters rank {served.rank}, alpha {served.alpha:g} on {list(served.target_modules)}"
+        )
+    for name, tensor in tensors.items():
+        _check_finite(path, name, tensor)
+    targets = weight_targets(model)
+    _check_same_model(
+        {name: tuple(t.shape) for name, t in targets.items()}, {n: tuple(t.shape) for n, t in tensors.items()}, path
+    )
+    return tensors
+
+
 def read_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
     """Every runtime tensor of the checkpoint at `path`, on CPU, checked against `model`'s names and shapes and
-    for finite values; every file opened lies inside `path`."""
+    for finite values; every file opened lies inside `path`. A model served with LoRA adapters takes a PEFT
+    adapter directory instead (`read_adapter_weights`)."""
+    has_adapter = (path / ADAPTER_CONFIG).is_file()
+    if lora_args(model) is not None:
+        if not has_adapter:
+            raise WeightsError(
+                f"{path} is not a PEFT adapter directory ({ADAPTER_CONFIG}): this server serves LoRA adapters, and "
+                "/update_weights replaces only them"
+            )
+        return read_adapter_weights(path, model)
+    if has_adapter and not (path / "config.json").is_file():
+        raise WeightsError(
+            f"{path} is a PEFT adapter directory, but this server serves no LoRA adapters (start it with "
+            "inference.lora_adapter or model.lora)"
+        )
     args = checkpoint_args(path, model.args)
     tensors = {}
     try:
@@ -145,8 +211,9 @@ def check_checkpoint(path: Path, served_args: ModelArgs, served_shapes: Shapes) 
 
 @torch.no_grad()
 def copy_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `read_weights`' tensors into the model's parameters (converting dtype, onto their device)."""
-    for name, param in model.named_parameters():
+    """Copy `read_weights`' tensors into the model's parameters (`weight_targets`: with LoRA, the adapters only),
+    converting dtype, onto their device."""
+    for name, param in weight_targets(model).items():
         param.copy_(tensors[name], non_blocking=True)
     if model.lm_head_weight.is_cuda:
         torch.cuda.synchronize(model.lm_head_weight.device)

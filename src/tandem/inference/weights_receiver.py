@@ -3,9 +3,10 @@
 
 `POST /weights/join` (admin) starts a thread that joins the trainer's hand-off (forms the broadcast group, or
 maps the trainer's shared buffer after validating its handle) and then, for each policy the trainer offers:
-checks its names and shapes against the served model (a different model is refused before anything is
-touched), pauses the engine between two steps, copies the policy into the model's parameters in place (so CUDA
-graphs stay valid) and marks the new version through `Engine.swap_weights`, resumes, and acknowledges.
+checks its names and shapes against the served model's weights (`weights.weight_targets`: with LoRA adapters,
+only the adapters travel; a different model is refused before anything is touched), pauses the engine between
+two steps, copies the policy into the model's parameters in place (so CUDA graphs stay valid) and marks the
+new version through `Engine.swap_weights`, resumes, and acknowledges.
 `GET /weights` reports the state, the version and any error; the orchestrator follows it. A failure part-way
 leaves the engine paused (its weights may be half-written), the state `failed` with the message, and the same
 message in the answer the trainer waits for.
@@ -27,6 +28,7 @@ from starlette.responses import Response
 
 from tandem.inference.engine import Engine
 from tandem.inference.http import HTTPError, json_response, parse
+from tandem.inference.weights import weight_targets
 from tandem.net import is_loopback
 from tandem.transport.weights.broadcast import BroadcastReceiver
 from tandem.transport.weights.control import JoinRequest, Offer, ReceiverStatus, WeightTransportError
@@ -89,7 +91,7 @@ class ReceiverEndpoint:
             receiver.connect()
             self.state = "connected"
             logger.info("joined the weight %s at %s:%d as rank %d", join.kind, join.host, join.port, join.rank)
-            targets = dict(self.engine.model.named_parameters())
+            targets = weight_targets(self.engine.model)  # with LoRA: the adapters only
             while (offer := receiver.next_offer(lambda: True)) is not None:
                 problem = receiver.check(offer, targets)
                 if problem is not None:
@@ -103,7 +105,13 @@ class ReceiverEndpoint:
                 receiver.acknowledge(offer)
                 self.policies += 1
                 self.state = "connected"
-                logger.info("received policy %d over the %s (swap %.3fs)", offer.version, join.kind, pause_s)
+                logger.info(
+                    "received policy %d over the %s: %d tensors (swap %.3fs)",
+                    offer.version,
+                    join.kind,
+                    len(offer.tensors),
+                    pause_s,
+                )
             self.state = "stopped"
         except Exception as error:
             self.state, self.error = "failed", f"{type(error).__name__}: {error}"

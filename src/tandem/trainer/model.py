@@ -206,11 +206,6 @@ def check_lora(config) -> LoraArgs | None:
     section = config.model.lora
     if not section.enabled:
         return None
-    if config.command != "sft":
-        raise ConfigError(
-            "model.lora: adapters train in `tandem sft` only so far (RL with LoRA is not implemented yet); "
-            "set model.lora.rank = 0"
-        )
     if config.model.expert_parallel > 1:
         raise ConfigError("model.lora does not run with model.expert_parallel > 1 yet; set model.expert_parallel = 1")
     return LoraArgs(

@@ -1,0 +1,186 @@
+"""The built-in engine serving a base model with a LoRA adapter, unmerged: its logprobs are the trainer's scoring of
+the same adapter (fp32), the fused decode step refuses adapters, a bad adapter directory is a ConfigError before
+anything is allocated, and every weight hand-off (shared, broadcast, file) moves the adapters only, in place."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from support.inference import ServerThread, engine_config
+from support.polling import wait_until
+from tandem.config import ConfigError
+from tandem.inference.engine import Engine
+from tandem.inference.fused_decode import fused_decode_supported
+from tandem.inference.main import eos_token_ids, lora_to_serve, served_name
+from tandem.inference.protocol import SamplingParams
+from tandem.inference.weights import weight_targets
+from tandem.models import load_model
+from tandem.models.lora import (
+    LoraArgs,
+    adapter_state_dict,
+    apply_lora,
+    is_adapter_name,
+    load_peft_adapter,
+    save_adapter,
+    write_adapter,
+)
+from tandem.transport.weights.broadcast import BroadcastSender
+from tandem.transport.weights.control import JoinRequest, Offer, check_offer
+from tandem.transport.weights.shared import SharedSender
+
+ARGS = LoraArgs(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
+
+
+def _adapted(path, seed: int):
+    """The base at `path` with adapters whose B is random (non-zero): a policy that differs from the base."""
+    model = load_model(path, dtype=torch.float32, device="cpu")
+    apply_lora(model, ARGS, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+def _engine(path, tokenizer, **overrides) -> Engine:
+    """An fp32 CPU engine built as `tandem inference` builds it (`lora_to_serve`, then the adapters applied)."""
+    config = engine_config(path, device="cpu", **overrides)
+    lora = lora_to_serve(config, path)
+    model = load_model(path, dtype=torch.float32, device="cpu")
+    if lora is not None:
+        apply_lora(model, lora, seed=0)
+        if config.lora_adapter is not None:
+            load_peft_adapter(model, config.lora_adapter)
+    return Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(path, tokenizer)).start()
+
+
+@pytest.fixture
+def engines():
+    started: list[Engine] = []
+    yield started
+    for engine in started:
+        engine.stop()
+
+
+def _sample(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+    (sample,) = engine.generate([prompt], params)[0]
+    return sample.token_ids, sample.logprobs
+
+
+def _trainer_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The trainer's scoring: `CausalLM.forward(targets=...)` over prompt + completion."""
+    ids = torch.tensor([prompt + tokens])
+    targets = torch.full_like(ids, -100)
+    targets[0, len(prompt) - 1 : -1] = torch.tensor(tokens)
+    with torch.no_grad():
+        scored = model(ids, targets=targets).logprobs[0, len(prompt) - 1 : -1]
+    return scored.double()
+
+
+def test_the_engine_samples_an_adapter_as_the_trainer_scores_it(model_dir, tokenizer, tmp_path, engines):
+    base = model_dir()
+    trained = _adapted(base, seed=1)
+    adapter = save_adapter(trained, tmp_path / "my-adapter", base_model_name=str(base))
+    engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter))
+    config = engine_config(base, lora_adapter=adapter)
+    assert served_name(config, base) == "my-adapter"
+    assert served_name(engine_config(base, lora_adapter=adapter, lora_name="reverser"), base) == "reverser"
+    assert "LoRA" in fused_decode_supported(engine.model)  # the Triton step would skip the adapters
+    assert fused_decode_supported(load_model(base, dtype=torch.float32, device="cpu")) is None
+
+    prompt = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    tokens, logprobs = _sample(engine, prompt)
+    q = torch.tensor(logprobs, dtype=torch.float64)
+    p = _trainer_logprobs(trained, prompt, tokens)
+    kl = (torch.exp(q - p) - (q - p) - 1).mean().item()  # the trainer's mismatch_kl (k3 of p against q)
+    assert abs(kl) < 1e-6 and (p - q).abs().max() < 1e-5, (kl, (p - q).abs().max())
+    plain = load_model(base, dtype=torch.float32, device="cpu")
+    assert (_trainer_logprobs(plain, prompt, tokens) - q).abs().max() > 1e-3  # the adapter is in the forward
+
+
+def test_a_bad_adapter_directory_is_a_config_error_before_loading(model_dir, tmp_path):
+    base = model_dir()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"adapter_config\.json"):
+        lora_to_serve(engine_config(base, lora_adapter=tmp_path / "empty"), base)
+    # an adapter of another width: its tensors do not fit this base
+    adapters = adapter_state_dict(_adapted(base, seed=0))
+    wider = {n: torch.zeros(t.shape[0], t.shape[1] + 1) if ".lora_A." in n else t for n, t in adapters.items()}
+    write_adapter(tmp_path / "wider", wider, ARGS)
+    with pytest.raises(ConfigError, match="does not fit the base model"):
+        lora_to_serve(engine_config(base, lora_adapter=tmp_path / "wider"), base)
+    save_adapter(_adapted(base, seed=0), tmp_path / "fits")
+    with pytest.raises(ConfigError, match=r"model\.lora asks for rank 8"):
+        lora = {"name": str(base), "lora": {"rank": 8}}
+        lora_to_serve(engine_config(base, lora_adapter=tmp_path / "fits", model=lora), base)
+    with pytest.raises(ValueError, match="built-in engine only"):
+        engine_config(base, engine="vllm", lora_adapter=tmp_path / "fits")
+
+
+def _join(server: ServerThread, sender) -> None:
+    join = JoinRequest(**sender.rendezvous.model_dump(), rank=1, world_size=2)
+    assert httpx.post(f"{server.url}/weights/join", json=join.model_dump()).status_code == 202
+
+
+@pytest.mark.parametrize("transport", ["shared", "broadcast", "file"])
+def test_a_hand_off_moves_the_adapters_only(transport, model_dir, tokenizer, tmp_path, engines):
+    base = model_dir()
+    lora = {"rank": ARGS.rank, "alpha": ARGS.alpha, "target_modules": list(ARGS.target_modules)}
+    # what `tandem rl` starts: the server builds the trainer's adapters from [model.lora], zero B (= the base)
+    engines.append(engine := _engine(base, tokenizer, model={"name": str(base), "dtype": "float32", "lora": lora}))
+    frozen = {n: p.clone() for n, p in engine.model.named_parameters() if not is_adapter_name(n)}
+    targets = weight_targets(engine.model)
+    assert targets and all(is_adapter_name(name) for name in targets)
+    policies = [_adapted(base, seed) for seed in (1, 2)]
+    manifest = [(name, torch.float32, tuple(t.shape)) for name, t in adapter_state_dict(policies[0]).items()]
+    full = [(name, p.dtype, tuple(p.shape)) for name, p in policies[0].named_parameters()]
+    assert "different model" in check_offer(Offer(1, 1, full), targets)  # a full policy is refused
+    server = ServerThread(engine, tokenizer, tmp_path)
+    sender = None
+    try:
+        if transport == "shared":
+            sender = SharedSender(manifest, torch.device("cpu"), "127.0.0.1", 0, timeout_s=60)
+        elif transport == "broadcast":
+            sender = BroadcastSender("127.0.0.1", 0, "gloo", timeout_s=60)
+        if sender is not None:
+            _join(server, sender)
+            sender.connect()
+        for version, policy in enumerate(policies, start=1):
+            adapters = adapter_state_dict(policy)
+            if transport == "shared":
+                sender.send(version, iter(adapters.values()))
+                sender.settle()
+            elif transport == "broadcast":
+                sender.send(version, manifest, iter(adapters.values()))
+            else:
+                path = write_adapter(tmp_path / f"policy-{version}", adapters, ARGS, base_model_name=str(base))
+                body = {"path": str(path), "version": version}
+                assert httpx.post(f"{server.url}/update_weights", json=body, timeout=60).status_code == 200
+            assert engine.version == version
+            for name, tensor in adapters.items():
+                assert torch.equal(targets[name], tensor), name
+        for name, param in engine.model.named_parameters():
+            if not is_adapter_name(name):
+                assert torch.equal(param, frozen[name]), name  # the base never moves
+        prompt = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+        tokens, logprobs = _sample(engine, prompt)
+        p = _trainer_logprobs(policies[-1], prompt, tokens)
+        assert (p - torch.tensor(logprobs, dtype=torch.float64)).abs().max() < 1e-5
+        if sender is not None:
+            sender.close()
+            wait_until(lambda: httpx.get(f"{server.url}/weights").json()["state"] == "stopped", "the receiver to stop")
+        else:  # a full checkpoint is refused by a server that serves adapters
+            full_dir = tmp_path / "full"
+            from tandem.models import save_model
+
+            save_model(load_model(base, dtype=torch.float32, device="cpu"), full_dir, dtype=torch.float32)
+            answer = httpx.post(f"{server.url}/update_weights", json={"path": str(full_dir), "version": 3})
+            assert answer.status_code == 400 and "PEFT adapter directory" in answer.text
+    finally:
+        if sender is not None:
+            sender.close()
+        server.stop()
