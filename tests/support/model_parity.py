@@ -91,11 +91,13 @@ GLM4_MOE = {
 """A tiny GLM-4.5: GQA 6/2 with q/k/v bias, qk-norm, RoPE on half of each 12-dim head; DeepSeek-V3's MoE."""
 
 
-def write_hf_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
+def write_hf_model(path: Path, config: dict[str, Any], seed: int = 0, perturb: tuple[str, ...] = ()) -> Path:
     """A transformers model from `config` (`torch.manual_seed(seed)`), saved to `path` with `config` as written.
 
     Biases and MoE correction biases, which transformers initialises to zero, are randomised so that parity
-    covers them. The config is written back as given (the hub's spelling, not what `save_pretrained` writes).
+    covers them, and so is every tensor whose name ends with one of `perturb` (normal(0, 0.1) added: e.g.
+    zero-initialised norm weights). The config is written back as given (the hub's spelling, not what
+    `save_pretrained` writes).
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -106,6 +108,8 @@ def write_hf_model(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
                     tensor.normal_(std=0.1)
                 if name.endswith("e_score_correction_bias"):
                     tensor.uniform_(-0.1, 0.1)
+                if perturb and name.endswith(perturb):
+                    tensor.add_(torch.randn_like(tensor), alpha=0.1)
     model.save_pretrained(path)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
     return Path(path)

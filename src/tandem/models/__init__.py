@@ -18,7 +18,7 @@ from .checkpoint import (
 )
 from .config import ModelArgs, ModelConfigError, MoEArgs, RopeArgs, read_hf_config
 from .decoder import CausalLM, DecoderBlock
-from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache
+from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache, StateBatch, StateCache
 from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
 from .nll_sum import fused_nll_sum
 from .registry import ARCHITECTURES, get_architecture
@@ -41,6 +41,8 @@ __all__ = [
     "ModelWeightsError",
     "OutsideDirectoryError",
     "RopeArgs",
+    "StateBatch",
+    "StateCache",
     "TokenLogprobs",
     "build_model",
     "cross_entropy",

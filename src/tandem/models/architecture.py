@@ -22,6 +22,8 @@ class HFLayout:
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked_gate_up: str = "mlp.experts.gate_up_proj"  # transformers' in-memory stacked layout, if ever on disk
     stacked_down: str = "mlp.experts.down_proj"
+    shared_experts: str = "mlp.shared_experts."  # prefix of the shared SwiGLU's gate/up/down_proj
+    shared_expert_gate: str = "mlp.shared_expert_gate.weight"
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-_IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
+_IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$|mtp\.")  # RoPE tables; Qwen3-Next's MTP weights
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -99,7 +99,10 @@ def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False)
         hf, rt = f"model.layers.{i}.", f"layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
-        attention = _mla_weights(args) if args.mla is not None else _gqa_weights(args)
+        if args.layer_type(i) == "linear_attention":
+            attention = _linear_attention_weights()
+        else:
+            attention = _mla_weights(args) if args.mla is not None else _gqa_weights(args)
         if args.moe is not None and args.is_moe_layer(i):
             mlp = _moe_weights(args.moe, layout, stacked_experts)
         else:
@@ -120,13 +123,20 @@ def _kinds(bias: bool) -> tuple[str, ...]:
 def _gqa_weights(args: ModelArgs) -> dict[str, Fused]:
     """Within a layer: fused QKV (+ bias), o_proj (+ bias), qk-norm."""
     kv_size = args.num_kv_heads * args.head_dim
+    q_size = args.num_heads * args.head_dim * (2 if args.attn_output_gate else 1)  # gated: q_proj holds the gate too
     out = {}
     for kind in _kinds(args.attention_bias):
         qkv = tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv")
-        out[f"self_attn.qkv_proj.{kind}"] = Fused((qkv,), (args.num_heads * args.head_dim, kv_size, kv_size))
+        out[f"self_attn.qkv_proj.{kind}"] = Fused((qkv,), (q_size, kv_size, kv_size))
     out |= {f"self_attn.o_proj.{kind}": _plain(f"self_attn.o_proj.{kind}") for kind in _kinds(args.attention_out_bias)}
     norms = ("q_norm", "k_norm") if args.qk_norm else ()
     return out | {f"self_attn.{n}.weight": _plain(f"self_attn.{n}.weight") for n in norms}
+
+
+def _linear_attention_weights() -> dict[str, Fused]:
+    """Within a layer: the Gated DeltaNet's tensors, HF's names and layouts unchanged."""
+    names = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight")
+    return {f"linear_attn.{n}": _plain(f"linear_attn.{n}") for n in (*names, "out_proj.weight")}
 
 
 def _mla_weights(args: ModelArgs) -> dict[str, Fused]:
@@ -150,13 +160,15 @@ def _mla_weights(args: ModelArgs) -> dict[str, Fused]:
     return {f"self_attn.{n}": _plain(f"self_attn.{n}") for n in names}
 
 
-def _mlp_weights(prefix: str, size: int, bias: bool) -> dict[str, Fused]:
-    """Within a layer: a dense SwiGLU at `prefix` (the MLP, or a MoE's shared experts), gate and up fused."""
+def _mlp_weights(prefix: str, size: int, bias: bool, hf_prefix: str | None = None) -> dict[str, Fused]:
+    """Within a layer: a dense SwiGLU at `prefix` (the MLP, or a MoE's shared experts; `hf_prefix` on disk when it
+    differs), gate and up fused."""
+    hf = prefix if hf_prefix is None else hf_prefix
     out = {}
     for kind in _kinds(bias):
-        gate_up = (f"{prefix}gate_proj.{kind}", f"{prefix}up_proj.{kind}")
+        gate_up = (f"{hf}gate_proj.{kind}", f"{hf}up_proj.{kind}")
         out[f"{prefix}gate_up_proj.{kind}"] = Fused((gate_up,), (size, size))
-        out[f"{prefix}down_proj.{kind}"] = _plain(f"{prefix}down_proj.{kind}")
+        out[f"{prefix}down_proj.{kind}"] = _plain(f"{hf}down_proj.{kind}")
     return out
 
 
@@ -166,7 +178,9 @@ def _moe_weights(moe: MoEArgs, layout: HFLayout, stacked_experts: bool) -> dict[
     if moe.score_correction_bias:
         out["mlp.router.e_score_correction_bias"] = _plain(layout.router_bias)
     if moe.shared_intermediate_size:
-        out |= _mlp_weights("mlp.shared_experts.", moe.shared_intermediate_size, bias=False)
+        out |= _mlp_weights("mlp.shared_experts.", moe.shared_intermediate_size, False, layout.shared_experts)
+        if moe.shared_expert_gate:
+            out["mlp.shared_expert_gate.weight"] = _plain(layout.shared_expert_gate)
     if stacked_experts:
         out["mlp.experts.gate_up_proj"] = _plain(layout.stacked_gate_up)
         out["mlp.experts.down_proj"] = _plain(layout.stacked_down)
@@ -248,7 +262,7 @@ class _Reader:
 
 
 def _ignored(key: str, args: ModelArgs) -> bool:
-    """RoPE tables, and the multi-token-prediction layers stored after the decoder (`model.layers.{num_layers}...`),
+    """RoPE tables, Qwen3-Next's `mtp.*` weights, and the multi-token-prediction layers stored after the decoder (`model.layers.{num_layers}...`),
     which transformers skips too: tandem does not run them, and saves without them."""
     if _IGNORED_HF_KEYS.match(key):
         return True

@@ -67,6 +67,7 @@ class MoEArgs:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # Qwen3-Next: shared output times sigmoid(shared_expert_gate(x)), a [1, H] weight
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORING_FUNCTIONS:
@@ -115,6 +116,32 @@ class IndexerArgs:
     topk: int
 
 
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+@dataclass(frozen=True)
+class LinearAttnArgs:
+    """Gated DeltaNet token mixers (Qwen3-Next's `linear_attention` layers, `layers.gated_deltanet`): `num_k_heads`
+    query/key heads of `k_head_dim`, `num_v_heads` value heads of `v_head_dim` (a multiple of the key heads, each
+    key head serving consecutive value heads), a causal depthwise conv of `conv_kernel` taps before them."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ModelConfigError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of {self.num_k_heads}")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (and its cached state): q, k and v concatenated."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """Everything needed to build a model; `hf_config` is the original dict, written back unchanged on save."""
@@ -139,6 +166,10 @@ class ModelArgs:
     mla: MLAArgs | None = None  # multi-head latent attention instead of GQA (then num_kv_heads == num_heads)
     indexer: IndexerArgs | None = None  # DeepSeek-V3.2: MLA restricted to the indexer's top-k keys per query
     mtp_layers: int = 0  # multi-token-prediction layers checkpoints store after the decoder; never run or loaded
+    layer_types: tuple[str, ...] = ()  # token mixer per layer (LAYER_TYPES); empty: all full_attention
+    linear: LinearAttnArgs | None = None  # the linear_attention layers' shape (Gated DeltaNet)
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also yields a per-head gate; out * sigmoid(gate) -> o_proj
+    zero_centered_norm: bool = False  # Qwen3-Next: RMSNorms scale by (1 + weight), weights initialised to 0
     initializer_range: float = 0.02
     dtype: torch.dtype = torch.float32
     # Runtime choices (not part of the HF config).
@@ -156,6 +187,13 @@ class ModelArgs:
             raise ModelConfigError(f"attn_backend {self.attn_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelConfigError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ModelConfigError(f"layer types {sorted(unknown)} are not supported (supported: {LAYER_TYPES})")
+        if "linear_attention" in self.layer_types and self.linear is None:
+            raise ModelConfigError("linear_attention layers need LinearAttnArgs")
         if isinstance(self.moe_backend, tuple) and len(self.moe_backend) != self.num_layers:
             raise ModelConfigError(
                 f"moe_backend has {len(self.moe_backend)} entries, expected one per layer ({self.num_layers})"
@@ -180,6 +218,16 @@ class ModelArgs:
             index_dim = self.indexer.head_dim if self.indexer is not None else 0
             return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim + index_dim, 0
         return self.num_kv_heads, self.head_dim, self.head_dim
+
+    def layer_type(self, layer: int) -> str:
+        """The token mixer of decoder layer `layer`: `full_attention` (softmax attention, KV cache) or
+        `linear_attention` (Gated DeltaNet, recurrent state cache)."""
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state (`layers.state_cache.StateCache`) instead of K/V."""
+        return any(t != "full_attention" for t in self.layer_types)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers

@@ -1,7 +1,12 @@
-"""The shared decoder: Qwen3, Llama, Qwen3-MoE, GLM-4.5, DeepSeek-V3/V3.2 are this module with different `ModelArgs`.
+"""The shared decoder: Qwen3, Llama, Qwen3-MoE, GLM-4.5, DeepSeek-V3/V3.2, Qwen3-Next are this module with different
+`ModelArgs`.
 
-Attention is GQA (`Attention`), multi-head latent attention (`MLAttention`, when `args.mla` is set) or MLA
-restricted to an indexer's top-k keys (`SparseMLAttention`, DeepSeek-V3.2, when `args.indexer` is set too).
+Each block has one token mixer, chosen per layer by `args.layer_type(i)` (`MIXERS`: the kind -> the attribute it is
+stored under, HF's name, and its constructor): `full_attention` is GQA (`Attention`, optionally output-gated),
+multi-head latent attention (`MLAttention`, when `args.mla` is set) or MLA restricted to an indexer's top-k keys
+(`SparseMLAttention`, DeepSeek-V3.2, when `args.indexer` is set too), under `self_attn`; `linear_attention` is
+Qwen3-Next's Gated DeltaNet (`GatedDeltaNet`) under `linear_attn`. Every mixer takes `(x, cos, sin, AttnInputs)`,
+so another kind (Nemotron-H's Mamba-2 mixer) is one more entry.
 Parameter names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`,
 `gate_up_proj`, the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
 """
@@ -16,6 +21,7 @@ from torch import nn
 
 from .config import ModelArgs
 from .layers.attention import Attention, AttnInputs, attention_inputs
+from .layers.gated_deltanet import GatedDeltaNet
 from .layers.indexer import SparseMLAttention
 from .layers.kv_cache import CacheBatch, KVCache
 from .layers.mla import MLAttention
@@ -24,22 +30,35 @@ from .layers.moe import Experts, MoE, Router
 from .layers.norm import RMSNorm
 from .layers.precision import autocast_dtype
 from .layers.rope import RotaryEmbedding
+from .layers.state_cache import StateBatch, StateCache
 from .logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from .nll_sum import fused_nll_sum
 
 
+def _attention(args: ModelArgs, layer_idx: int) -> nn.Module:
+    if args.indexer is not None:
+        return SparseMLAttention(args, layer_idx)
+    return MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
+
+
+MIXERS: dict[str, tuple[str, Callable[[ModelArgs, int], nn.Module]]] = {
+    "full_attention": ("self_attn", _attention),
+    "linear_attention": ("linear_attn", GatedDeltaNet),
+}
+"""Layer kind -> (attribute and HF name of its token mixer, constructor `(args, layer_idx)`)."""
+
+
 class DecoderBlock(nn.Module):
-    """Pre-norm attention + MLP (dense or MoE). One FSDP / compile unit."""
+    """Pre-norm token mixer (attention or linear attention) + MLP (dense or MoE). One FSDP / compile unit."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn: nn.Module
-        if args.indexer is not None:
-            self.self_attn = SparseMLAttention(args, layer_idx)
-        else:
-            self.self_attn = MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        centered = args.zero_centered_norm
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, centered)
+        self.layer_type = args.layer_type(layer_idx)
+        self.mixer_name, make_mixer = MIXERS[self.layer_type]
+        self.add_module(self.mixer_name, make_mixer(args, layer_idx))
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, centered)
         self.mlp: nn.Module
         if args.moe is not None and args.is_moe_layer(layer_idx):
             moe = args.moe
@@ -54,6 +73,7 @@ class DecoderBlock(nn.Module):
                 balanced_routing=args.moe_balanced_routing,
                 shared_intermediate_size=moe.shared_intermediate_size,
                 shared_activation=args.swiglu_backend,
+                shared_expert_gate=moe.shared_expert_gate,
                 scoring=moe.scoring,
                 score_correction_bias=moe.score_correction_bias,
                 n_group=moe.n_group,
@@ -66,8 +86,13 @@ class DecoderBlock(nn.Module):
             )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        x = x + self.mixer(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer (`self_attn` or `linear_attn`)."""
+        return getattr(self, self.mixer_name)
 
 
 class CausalLM(nn.Module):
@@ -78,7 +103,7 @@ class CausalLM(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centered_norm)
         self.rotary = RotaryEmbedding(args.rope, args.rotary_dim)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -88,11 +113,11 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Random init as Hugging Face does: normal(0, initializer_range) matrices, ones for norms, zero biases
-        (the router's correction bias too)."""
+        """Random init as Hugging Face does: normal(0, initializer_range) matrices, ones for norms (zeros when
+        zero-centred), zero biases (the router's correction bias too), Gated DeltaNet's decay parameters."""
         std = self.args.initializer_range
         for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
+            if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d):
                 nn.init.normal_(module.weight, std=std, generator=generator)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -103,7 +128,11 @@ class CausalLM(nn.Module):
             if isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, std=std, generator=generator)
                 nn.init.normal_(module.down_proj, std=std, generator=generator)
-            if isinstance(module, RMSNorm | nn.LayerNorm):
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            if isinstance(module, GatedDeltaNet):
+                module.reset_parameters(generator)
+            if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
             if isinstance(module, nn.LayerNorm) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -170,20 +199,55 @@ class CausalLM(nn.Module):
             )
         return hidden if return_hidden else self.compute_logits(hidden)
 
-    def prefill(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
-        """Run prompt chunks packed as `[T]`, filling the cache; logits `[N, V]` at each sequence's last token."""
-        return self._cached(input_ids, cache, batch)
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        batch: CacheBatch,
+        state: StateCache | None = None,
+        state_batch: StateBatch | None = None,
+    ) -> torch.Tensor:
+        """Run prompt chunks packed as `[T]`, filling the cache; logits `[N, V]` at each sequence's last token.
 
-    def decode(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+        Hybrid models (`args.is_hybrid`) also take the linear layers' `state` cache and the step's `state_batch`
+        (`state.batch(slots, cached_lens)`, sequences in `batch`'s order).
+        """
+        return self._cached(input_ids, cache, batch, state, state_batch)
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        batch: CacheBatch,
+        state: StateCache | None = None,
+        state_batch: StateBatch | None = None,
+    ) -> torch.Tensor:
         """One new token per running sequence `[N]`; logits `[N, V]`."""
         if batch.unpack_index.shape[1] != 1:
             raise ValueError("decode takes exactly one new token per sequence; use prefill for more")
-        return self._cached(input_ids, cache, batch)
+        return self._cached(input_ids, cache, batch, state, state_batch)
 
-    def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
+    def cached_hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        batch: CacheBatch,
+        state: StateCache | None = None,
+        state_batch: StateBatch | None = None,
+    ) -> torch.Tensor:
         """Like `prefill`, but the final hidden states `[T, H]` of every new token: prompt logprobs score them all."""
-        attn = AttnInputs(cache=cache, cache_batch=batch)
+        if self.args.is_hybrid and (state is None or state_batch is None):
+            raise ValueError(f"{self.args.architecture} has linear-attention layers: pass a StateCache and StateBatch")
+        attn = AttnInputs(cache=cache, cache_batch=batch, state=state, state_batch=state_batch)
         return self.hidden_states(input_ids[None], batch.positions[None], attn)[0]
 
-    def _cached(self, input_ids: torch.Tensor, cache: KVCache, batch: CacheBatch) -> torch.Tensor:
-        return self.compute_logits(self.cached_hidden_states(input_ids, cache, batch)[batch.last_index])
+    def _cached(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        batch: CacheBatch,
+        state: StateCache | None,
+        state_batch: StateBatch | None,
+    ) -> torch.Tensor:
+        hidden = self.cached_hidden_states(input_ids, cache, batch, state, state_batch)
+        return self.compute_logits(hidden[batch.last_index])

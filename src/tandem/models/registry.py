@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import deepseek_v3, deepseek_v32, glm4_moe, llama, qwen3, qwen3_moe
+from . import deepseek_v3, deepseek_v32, glm4_moe, llama, qwen3, qwen3_moe, qwen3_next
 from .architecture import Architecture
 from .config import ModelConfigError
 
@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         deepseek_v3.ARCHITECTURE,
         deepseek_v32.ARCHITECTURE,
         glm4_moe.ARCHITECTURE,
+        qwen3_next.ARCHITECTURE,
     )
 }
 

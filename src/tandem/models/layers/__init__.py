@@ -6,6 +6,7 @@ from .mlp import GatedMLP
 from .moe import MOE_BACKENDS, MoE, route
 from .norm import RMSNorm
 from .rope import ROPE_BACKENDS, RotaryEmbedding, apply_rope, inv_frequencies, rope_cos_sin
+from .state_cache import StateBatch, StateCache
 
 __all__ = [
     "MOE_BACKENDS",
@@ -18,6 +19,8 @@ __all__ = [
     "MoE",
     "RMSNorm",
     "RotaryEmbedding",
+    "StateBatch",
+    "StateCache",
     "apply_rope",
     "attention_inputs",
     "document_ids",

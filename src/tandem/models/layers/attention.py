@@ -5,7 +5,8 @@ so a block's forward has no data-dependent Python branching (the branch is on wh
 
 Documents: wherever `position_ids` does not continue `previous + 1` a new document starts; a token attends
 only to earlier tokens of its own document. Padding tokens (attention_mask == 0) are one-token documents, so no
-query row is ever fully masked (SDPA would return NaN for it) and real tokens never see them.
+query row is ever fully masked (SDPA would return NaN for it) and real tokens never see them. The same document
+starts (`AttnInputs.resets`) reset the recurrent state of linear-attention layers (`layers.gated_deltanet`).
 """
 
 from __future__ import annotations
@@ -22,27 +23,40 @@ from ..config import ModelArgs
 from .kv_cache import CacheBatch, KVCache
 from .norm import RMSNorm
 from .rope import ROPE_BACKENDS, check_rope_backend, rotate_leading
+from .state_cache import StateBatch, StateCache
 
 
 @dataclass(frozen=True)
 class AttnInputs:
-    """How every layer of one forward attends. Exactly one of: nothing (causal), `mask`, `block_mask`, `cache`."""
+    """How every layer of one forward attends. Exactly one of: nothing (causal), `mask`, `block_mask`, `cache`.
+
+    `resets` comes with `mask` / `block_mask` (where documents start, for linear-attention layers); `state` and
+    `state_batch` come with `cache` in hybrid models (the linear layers' recurrent state, `layers.state_cache`).
+    """
 
     mask: torch.Tensor | None = None  # bool [B, 1, S, S], True where a query may attend a key
     block_mask: Any = None  # flex_attention BlockMask
     cache: KVCache | None = None
     cache_batch: CacheBatch | None = None
+    resets: torch.Tensor | None = None  # bool [B, S], True where a document (or a padding token) starts
+    state: StateCache | None = None
+    state_batch: StateBatch | None = None
 
 
-def document_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Document index `[B, S]` per token: new where positions restart; padding tokens get a document each."""
+def document_starts(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B, S]` bool: True where a document starts (positions restart; each padding token, the token after one)."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     if attention_mask is not None:
         pad = attention_mask == 0
         starts = starts | pad
         starts[:, 1:] |= pad[:, :-1]
-    return starts.long().cumsum(dim=1)
+    return starts
+
+
+def document_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Document index `[B, S]` per token: new where positions restart; padding tokens get a document each."""
+    return document_starts(position_ids, attention_mask).long().cumsum(dim=1)
 
 
 def document_mask(documents: torch.Tensor) -> torch.Tensor:
@@ -74,12 +88,13 @@ def attention_inputs(
         return AttnInputs()
     if position_ids is None:
         position_ids = torch.arange(attention_mask.shape[1], device=device).expand(attention_mask.shape[0], -1)
-    documents = document_ids(position_ids, attention_mask)
+    starts = document_starts(position_ids, attention_mask)
+    documents = starts.long().cumsum(dim=1)
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "sdpa"
     if backend == "flex":
-        return AttnInputs(block_mask=_flex_block_mask(documents))
-    return AttnInputs(mask=document_mask(documents))
+        return AttnInputs(block_mask=_flex_block_mask(documents), resets=starts)
+    return AttnInputs(mask=document_mask(documents), resets=starts)
 
 
 @functools.cache
@@ -149,28 +164,35 @@ def attend_cached(
 class Attention(nn.Module):
     """GQA attention with fused QKV (`qkv_proj` rows: q heads, then k heads, then v heads) and optional qk-norm.
 
-    RoPE rotates the leading `cos.shape[-1]` dims of each head (all of them unless partial rotary, GLM-4.5).
+    RoPE rotates the leading `cos.shape[-1]` dims of each head (all of them unless partial rotary, GLM-4.5,
+    Qwen3-Next). With `args.attn_output_gate` (Qwen3-Next) the q rows hold, per head, the query then a gate of the
+    same size (HF's `q_proj` layout); the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
     """
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         check_rope_backend(args.rope_backend)
         self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, args.rope_backend
+        self.gated = args.attn_output_gate
         self.sizes = (
-            args.num_heads * args.head_dim,
+            args.num_heads * args.head_dim * (2 if self.gated else 1),
             args.num_kv_heads * args.head_dim,
             args.num_kv_heads * args.head_dim,
         )
         self.scale = args.head_dim**-0.5
         self.qkv_proj = nn.Linear(args.hidden_size, sum(self.sizes), bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.sizes[0], args.hidden_size, bias=args.attention_out_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.attention_out_bias)
+        centered = args.zero_centered_norm
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, centered) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, centered) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
         """`x` `[B, S, hidden]`, cos/sin `[B, S, rotary_dim]` -> `[B, S, hidden]` (cache path: B == 1, packed)."""
         batch, seq, _ = x.shape
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
+        gate = None
+        if self.gated:
+            q, gate = q.unflatten(-2, (-1, 2)).unbind(-2)  # per head: query rows, then gate rows
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_leading(ROPE_BACKENDS[self.rope_backend], q, k, cos, sin)
@@ -178,4 +200,7 @@ class Attention(nn.Module):
             out = cached_attention(q[0], k[0], v[0], attn.cache, attn.cache_batch, self.layer_idx, self.scale)
         else:
             out = attend(q, k, v, attn, self.scale)
-        return self.o_proj(out.reshape(batch, seq, -1))
+        out = out.reshape(batch, seq, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(batch, seq, -1))
+        return self.o_proj(out)

@@ -219,7 +219,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + experts (+ shared experts: a dense SwiGLU every token goes through, added to the routed output).
+    """Router + experts (+ shared experts: a dense SwiGLU every token goes through, added to the routed output;
+    with `shared_expert_gate` (Qwen3-Next) scaled per token by `sigmoid(shared_expert_gate(x))`, a `[1, H]` weight).
 
     `freeze_router` detaches the router weight so it never gets a gradient (the correction bias never gets one);
     `balanced_routing` (benchmarks) gives every expert the same number of tokens (see `route`). Routing options
@@ -239,6 +240,7 @@ class MoE(nn.Module):
         *,
         shared_intermediate_size: int = 0,
         shared_activation: str = "torch",
+        shared_expert_gate: bool = False,
         **routing: Any,
     ) -> None:
         super().__init__()
@@ -251,6 +253,8 @@ class MoE(nn.Module):
             if shared_intermediate_size
             else None
         )
+        gated = shared_intermediate_size and shared_expert_gate
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
         self.backend, self.freeze_router, self.balanced_routing = backend, freeze_router, balanced_routing
 
     @property
@@ -267,7 +271,10 @@ class MoE(nn.Module):
         weights, experts = self.router(x, self.freeze_router, self.balanced_routing)
         out = self.run_experts(x, weights, experts)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out.reshape(shape)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
