@@ -24,6 +24,9 @@ class HFLayout:
     stacked_down: str = "mlp.experts.down_proj"
     shared_experts: str = "mlp.shared_experts."  # prefix of the shared SwiGLU's gate/up/down_proj
     shared_expert_gate: str = "mlp.shared_expert_gate.weight"
+    prefix: str = "model."  # before `layers.{i}.`, the embedding and the final norm (Nemotron-H: `backbone.`)
+    embed_tokens: str = "embed_tokens"  # the embedding's name under `prefix` (Nemotron-H: `embeddings`)
+    final_norm: str = "norm"  # the final norm's name under `prefix` (Nemotron-H: `norm_f`)
 
 
 @dataclass(frozen=True)

@@ -92,11 +92,18 @@ def _plain(key: str) -> Fused:
 
 def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False) -> dict[str, Fused]:
     """Runtime parameter name -> the HF tensors it is built from (see module docstring)."""
-    out = {"embed_tokens.weight": _plain("model.embed_tokens.weight"), "norm.weight": _plain("model.norm.weight")}
+    top = layout.prefix
+    out = {
+        "embed_tokens.weight": _plain(f"{top}{layout.embed_tokens}.weight"),
+        "norm.weight": _plain(f"{top}{layout.final_norm}.weight"),
+    }
     if not args.tie_word_embeddings:
         out["lm_head.weight"] = _plain("lm_head.weight")
     for i in range(args.num_layers):
-        hf, rt = f"model.layers.{i}.", f"layers.{i}."
+        hf, rt = f"{top}layers.{i}.", f"layers.{i}."
+        if args.block == "mixer":  # Nemotron-H: norm + one mixer, HF's names unchanged
+            out |= {rt + name: _under(hf, fused) for name, fused in _mixer_block_weights(args, i).items()}
+            continue
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
         if args.layer_type(i) == "linear_attention":
@@ -131,6 +138,32 @@ def _gqa_weights(args: ModelArgs) -> dict[str, Fused]:
     out |= {f"self_attn.o_proj.{kind}": _plain(f"self_attn.o_proj.{kind}") for kind in _kinds(args.attention_out_bias)}
     norms = ("q_norm", "k_norm") if args.qk_norm else ()
     return out | {f"self_attn.{n}.weight": _plain(f"self_attn.{n}.weight") for n in norms}
+
+
+def _mixer_block_weights(args: ModelArgs, layer: int) -> dict[str, Fused]:
+    """Within a one-mixer block (Nemotron-H): `norm` and the mixer's tensors, all under HF's names (`mixer.*`)."""
+    kind = args.layer_type(layer)
+    names = ["norm.weight"]
+    if kind == "mamba":
+        m = args.mamba
+        assert m is not None
+        names += ["mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.dt_bias", "mixer.A_log", "mixer.D"]
+        names += ["mixer.norm.weight", "mixer.out_proj.weight"]
+        names += ["mixer.conv1d.bias"] if m.conv_bias else []
+        names += ["mixer.in_proj.bias", "mixer.out_proj.bias"] if m.proj_bias else []
+    elif kind == "mlp":
+        names += [f"mixer.{p}_proj.{k}" for p in ("up", "down") for k in _kinds(args.mlp_bias)]
+    else:
+        gqa = _gqa_weights(args)
+        return {"norm.weight": _plain("norm.weight")} | {
+            "mixer." + name.removeprefix("self_attn."): _under("mixer.", _strip(fused, "self_attn."))
+            for name, fused in gqa.items()
+        }
+    return {n: _plain(n) for n in names}
+
+
+def _strip(fused: Fused, prefix: str) -> Fused:
+    return dataclasses.replace(fused, parts=tuple(tuple(k.removeprefix(prefix) for k in g) for g in fused.parts))
 
 
 def _linear_attention_weights() -> dict[str, Fused]:

@@ -116,7 +116,42 @@ class IndexerArgs:
     topk: int
 
 
-LAYER_TYPES = ("full_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "linear_attention", "mamba", "mlp")
+STATEFUL_LAYER_TYPES = ("linear_attention", "mamba")  # layers that keep a recurrent state (`StateCache`)
+BLOCK_STYLES = ("decoder", "mixer")
+
+
+@dataclass(frozen=True)
+class MambaArgs:
+    """Mamba-2 token mixers (Nemotron-H's `M` layers, `layers.mamba2`): `num_heads` heads of `head_dim`, B and C in
+    `n_groups` groups of `state_size`, a causal depthwise conv of `conv_kernel` taps (with a bias if `conv_bias`)
+    over x, B and C, `dt` clamped to `dt_limit` after softplus."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int = 128
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    time_step_min: float = 0.001  # dt_bias init (HF's scheme)
+    time_step_max: float = 0.1
+    time_step_floor: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.n_groups:
+            raise ModelConfigError(f"mamba_num_heads={self.num_heads} is not a multiple of n_groups={self.n_groups}")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (and its cached state): x, B and C concatenated."""
+        return self.inner_size + 2 * self.n_groups * self.state_size
 
 
 @dataclass(frozen=True)
@@ -168,6 +203,11 @@ class ModelArgs:
     mtp_layers: int = 0  # multi-token-prediction layers checkpoints store after the decoder; never run or loaded
     layer_types: tuple[str, ...] = ()  # token mixer per layer (LAYER_TYPES); empty: all full_attention
     linear: LinearAttnArgs | None = None  # the linear_attention layers' shape (Gated DeltaNet)
+    mamba: MambaArgs | None = None  # the mamba layers' shape (Mamba-2, Nemotron-H)
+    block: str = "decoder"  # BLOCK_STYLES: norm + mixer + norm + MLP, or norm + one mixer (Nemotron-H)
+    rope_free: bool = False  # attention without position embedding (Nemotron-H)
+    mlp_activation: str = "swiglu"  # "swiglu" (gate_up_proj) or "relu2" (up_proj, relu(x)^2; Nemotron-H's mlp layers)
+    norm_fp32_scale: bool = False  # RMSNorm weight applied in fp32 before the cast back (Nemotron-H)
     attn_output_gate: bool = False  # Qwen3-Next: q_proj also yields a per-head gate; out * sigmoid(gate) -> o_proj
     zero_centered_norm: bool = False  # Qwen3-Next: RMSNorms scale by (1 + weight), weights initialised to 0
     initializer_range: float = 0.02
@@ -194,6 +234,12 @@ class ModelArgs:
             raise ModelConfigError(f"layer types {sorted(unknown)} are not supported (supported: {LAYER_TYPES})")
         if "linear_attention" in self.layer_types and self.linear is None:
             raise ModelConfigError("linear_attention layers need LinearAttnArgs")
+        if "mamba" in self.layer_types and self.mamba is None:
+            raise ModelConfigError("mamba layers need MambaArgs")
+        if self.block not in BLOCK_STYLES:
+            raise ModelConfigError(f"block {self.block!r} is not one of {BLOCK_STYLES}")
+        if self.block == "decoder" and {"mamba", "mlp"} & set(self.layer_types):
+            raise ModelConfigError("mamba and mlp layers are one-mixer blocks (block='mixer')")
         if isinstance(self.moe_backend, tuple) and len(self.moe_backend) != self.num_layers:
             raise ModelConfigError(
                 f"moe_backend has {len(self.moe_backend)} entries, expected one per layer ({self.num_layers})"
@@ -220,14 +266,14 @@ class ModelArgs:
         return self.num_kv_heads, self.head_dim, self.head_dim
 
     def layer_type(self, layer: int) -> str:
-        """The token mixer of decoder layer `layer`: `full_attention` (softmax attention, KV cache) or
-        `linear_attention` (Gated DeltaNet, recurrent state cache)."""
+        """The token mixer of decoder layer `layer`: `full_attention` (softmax attention, KV cache),
+        `linear_attention` (Gated DeltaNet) or `mamba` (Mamba-2), both with a recurrent state cache, or `mlp`."""
         return self.layer_types[layer] if self.layer_types else "full_attention"
 
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state (`layers.state_cache.StateCache`) instead of K/V."""
-        return any(t != "full_attention" for t in self.layer_types)
+        return any(t in STATEFUL_LAYER_TYPES for t in self.layer_types)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers

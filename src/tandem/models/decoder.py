@@ -5,8 +5,11 @@ Each block has one token mixer, chosen per layer by `args.layer_type(i)` (`MIXER
 stored under, HF's name, and its constructor): `full_attention` is GQA (`Attention`, optionally output-gated),
 multi-head latent attention (`MLAttention`, when `args.mla` is set) or MLA restricted to an indexer's top-k keys
 (`SparseMLAttention`, DeepSeek-V3.2, when `args.indexer` is set too), under `self_attn`; `linear_attention` is
-Qwen3-Next's Gated DeltaNet (`GatedDeltaNet`) under `linear_attn`. Every mixer takes `(x, cos, sin, AttnInputs)`,
-so another kind (Nemotron-H's Mamba-2 mixer) is one more entry.
+Qwen3-Next's Gated DeltaNet (`GatedDeltaNet`) under `linear_attn`; `mamba` is Mamba-2 (`Mamba2`) and `mlp` an
+ungated MLP (`MLP`), Nemotron-H's. Every mixer takes `(x, cos, sin, AttnInputs)`.
+
+Blocks (`args.block`): `decoder` blocks (`DecoderBlock`) are norm + mixer + norm + MLP; `mixer` blocks
+(`MixerBlock`, Nemotron-H) are norm + one mixer, stored under `mixer` whatever its kind (HF's layout).
 Parameter names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`,
 `gate_up_proj`, the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
 """
@@ -24,8 +27,9 @@ from .layers.attention import Attention, AttnInputs, attention_inputs
 from .layers.gated_deltanet import GatedDeltaNet
 from .layers.indexer import SparseMLAttention
 from .layers.kv_cache import CacheBatch, KVCache
+from .layers.mamba2 import Mamba2
 from .layers.mla import MLAttention
-from .layers.mlp import GatedMLP
+from .layers.mlp import MLP, GatedMLP
 from .layers.moe import Experts, MoE, Router
 from .layers.norm import RMSNorm
 from .layers.precision import autocast_dtype
@@ -41,11 +45,18 @@ def _attention(args: ModelArgs, layer_idx: int) -> nn.Module:
     return MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
 
 
+def _mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
+    return MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.mlp_activation)
+
+
 MIXERS: dict[str, tuple[str, Callable[[ModelArgs, int], nn.Module]]] = {
     "full_attention": ("self_attn", _attention),
     "linear_attention": ("linear_attn", GatedDeltaNet),
+    "mamba": ("mixer", Mamba2),
+    "mlp": ("mixer", _mlp),
 }
-"""Layer kind -> (attribute and HF name of its token mixer, constructor `(args, layer_idx)`)."""
+"""Layer kind -> (attribute and HF name of its token mixer in a `DecoderBlock`, constructor `(args, layer_idx)`).
+A `MixerBlock` keeps any kind under `mixer`."""
 
 
 class DecoderBlock(nn.Module):
@@ -95,6 +106,24 @@ class DecoderBlock(nn.Module):
         return getattr(self, self.mixer_name)
 
 
+class MixerBlock(nn.Module):
+    """Nemotron-H's block: `x + mixer(norm(x))` with one mixer of any kind (attention, Mamba-2, MLP) under `mixer`.
+    One FSDP / compile unit."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fp32_scale=args.norm_fp32_scale)
+        self.layer_type = args.layer_type(layer_idx)
+        self.mixer_name = "mixer"
+        self.mixer = MIXERS[self.layer_type][1](args, layer_idx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
+        return x + self.mixer(self.norm(x), cos, sin, attn)
+
+
+BLOCKS: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"decoder": DecoderBlock, "mixer": MixerBlock}
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder blocks (`layers[i]`), final norm, LM head (absent when tied to the embedding)."""
 
@@ -102,8 +131,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centered_norm)
+        self.layers = nn.ModuleList(BLOCKS[args.block](args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centered_norm, args.norm_fp32_scale)
         self.rotary = RotaryEmbedding(args.rope, args.rotary_dim)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -130,7 +159,7 @@ class CausalLM(nn.Module):
                 nn.init.normal_(module.down_proj, std=std, generator=generator)
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
-            if isinstance(module, GatedDeltaNet):
+            if isinstance(module, GatedDeltaNet | Mamba2):
                 module.reset_parameters(generator)
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
@@ -237,7 +266,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Like `prefill`, but the final hidden states `[T, H]` of every new token: prompt logprobs score them all."""
         if self.args.is_hybrid and (state is None or state_batch is None):
-            raise ValueError(f"{self.args.architecture} has linear-attention layers: pass a StateCache and StateBatch")
+            raise ValueError(f"{self.args.architecture} has recurrent layers: pass a StateCache and StateBatch")
         attn = AttnInputs(cache=cache, cache_batch=batch, state=state, state_batch=state_batch)
         return self.hidden_states(input_ids[None], batch.positions[None], attn)[0]
 

@@ -173,7 +173,7 @@ class Attention(nn.Module):
         super().__init__()
         check_rope_backend(args.rope_backend)
         self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, args.rope_backend
-        self.gated = args.attn_output_gate
+        self.gated, self.rope_free = args.attn_output_gate, args.rope_free
         self.sizes = (
             args.num_heads * args.head_dim * (2 if self.gated else 1),
             args.num_kv_heads * args.head_dim,
@@ -195,7 +195,8 @@ class Attention(nn.Module):
             q, gate = q.unflatten(-2, (-1, 2)).unbind(-2)  # per head: query rows, then gate rows
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_leading(ROPE_BACKENDS[self.rope_backend], q, k, cos, sin)
+        if not self.rope_free:  # Nemotron-H's attention has no position embedding
+            q, k = rotate_leading(ROPE_BACKENDS[self.rope_backend], q, k, cos, sin)
         if attn.cache is not None and attn.cache_batch is not None:
             out = cached_attention(q[0], k[0], v[0], attn.cache, attn.cache_batch, self.layer_idx, self.scale)
         else:

@@ -146,17 +146,23 @@ def segment_offsets(resets: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, resets: torch.Tensor | None = None, state: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    resets: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU of the causal depthwise conv of `x` `[B, S, C]` with `weight` `[C, 1, K]` (transformers' conv1d with
-    `K - 1` left padding); taps reaching back across a segment start are masked; `state` `[B, C, K - 1]`: the
-    inputs before `x` (cache), else zeros."""
+    `K - 1` left padding) plus `bias` `[C]` if given; taps reaching back across a segment start are masked; `state`
+    `[B, C, K - 1]`: the inputs before `x` (cache), else zeros."""
     taps, seq = weight.shape[-1], x.shape[1]
     w = weight[:, 0].to(x.dtype)  # [C, K]
     before = x.new_zeros(x.shape[0], taps - 1, x.shape[2]) if state is None else state.transpose(1, 2).to(x.dtype)
     padded = torch.cat([before, x], dim=1)
     offsets = None if resets is None else segment_offsets(resets)
     out = x * w[:, -1]
+    if bias is not None:
+        out = out + bias.to(x.dtype)
     for lag in range(1, taps):
         term = padded[:, taps - 1 - lag : taps - 1 - lag + seq] * w[:, -1 - lag]
         out = out + (term if offsets is None else term * (offsets >= lag)[..., None])

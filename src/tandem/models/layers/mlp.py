@@ -1,4 +1,5 @@
-"""Dense SwiGLU MLP with gate and up fused into one matmul (`gate_up_proj` rows: gate first, then up)."""
+"""Dense SwiGLU MLP with gate and up fused into one matmul (`gate_up_proj` rows: gate first, then up), and the
+ungated MLP (`up_proj`, activation, `down_proj`) of Nemotron-H's `mlp` layers (squared ReLU)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,22 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(SWIGLU_BACKENDS[self.activation](self.gate_up_proj(x)))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu2": lambda x: F.relu(x).square()}
+"""Activations of the ungated `MLP` (HF `mlp_hidden_act` names)."""
+
+
+class MLP(nn.Module):
+    """`down_proj(act(up_proj(x)))`. Also a token mixer of one-mixer blocks: extra arguments are ignored."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "relu2") -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown MLP activation {activation!r}; known: {sorted(ACTIVATIONS)}")
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, *_: object) -> torch.Tensor:
+        return self.down_proj(ACTIVATIONS[self.activation](self.up_proj(x)))

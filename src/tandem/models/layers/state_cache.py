@@ -1,4 +1,5 @@
-"""Per-sequence recurrent state for the linear-attention layers of hybrid models (Qwen3-Next's Gated DeltaNet).
+"""Per-sequence recurrent state for the recurrent layers of hybrid models (Qwen3-Next's Gated DeltaNet, Nemotron-H's
+Mamba-2: there `recurrent` is the SSM state `[num_slots, heads, head_dim, state_size]`, see `StateCache.for_model`).
 
 A linear layer does not read its past tokens back: it carries, per sequence, a fixed-size state, the last
 `conv_kernel - 1` inputs of its short causal conv (`conv` `[num_slots, conv_dim, conv_kernel - 1]`) and the
@@ -27,7 +28,7 @@ class StateBatch:
 
 
 class StateCache:
-    """Conv and recurrent state per linear-attention layer (keyed by decoder layer index) and slot."""
+    """Conv and recurrent state per linear-attention or Mamba-2 layer (keyed by decoder layer index) and slot."""
 
     def __init__(
         self,
@@ -57,7 +58,16 @@ class StateCache:
         device: torch.device | str = "cpu",
         state_dtype: torch.dtype = torch.float32,
     ) -> StateCache:
-        """The state a model of `args` reads and writes: one entry per `linear_attention` layer."""
+        """The state a model of `args` reads and writes: one entry per `linear_attention` layer (Gated DeltaNet), or
+        per `mamba` layer (Mamba-2: conv `[num_slots, conv_dim, conv_kernel - 1]`, SSM state `[num_slots, heads,
+        head_dim, state_size]`)."""
+        if args.mamba is not None:
+            m = args.mamba
+            mamba_layers = [i for i in range(args.num_layers) if args.layer_type(i) == "mamba"]
+            return cls(
+                mamba_layers, num_slots, m.conv_dim, m.conv_kernel, m.num_heads, m.head_dim, m.state_size,
+                dtype, device, state_dtype,
+            )  # fmt: skip
         if args.linear is None:
             raise ValueError(f"{args.architecture} has no linear-attention layers")
         la = args.linear

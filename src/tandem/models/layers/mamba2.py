@@ -1,0 +1,232 @@
+"""Mamba-2 (Nemotron-H's `mamba` layers), as transformers' `NemotronHMamba2Mixer` (its torch path).
+
+Per token: `in_proj` gives, in this order, the gate z (`num_heads * head_dim`), the conv input xBC (x, then B and C of
+`n_groups * state_size` each) and dt (`num_heads`). xBC goes through a causal depthwise conv (`conv_kernel` taps, a
+bias, SiLU). With `dt = clamp(softplus(dt + dt_bias), dt_limit)` and `A = -exp(A_log)` per head, each head's state
+`h` `[head_dim, state_size]` follows (B and C of a group serve `num_heads / n_groups` consecutive heads)
+
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,    y_t = h_t C_t + D x_t
+
+then the gated grouped RMSNorm (`x * silu(z)` first, then normalised per group; `norm_before_gate=False`) and
+`out_proj`. The scan, the norm and everything between them run in fp32.
+
+Two equal forms, fp32: `recurrent_ssd` (token by token: the reference and the decode step) and `chunk_ssd` (SSD:
+within a chunk a masked attention-like product, between chunks a scan over chunk states; transformers'
+`mamba2_chunk_scan`), for training and prefill.
+
+Documents: as `layers.gated_deltanet`, both forms take `resets` `[B, S]` (True at a document start and at every
+padding token) and keep documents apart in the packed layout: the conv masks taps that reach back across a start,
+and the chunked form masks intra-chunk decays between segments, lets the incoming chunk state reach only the tokens
+before the chunk's first start, and carries out of a chunk only its last segment. Cached steps unpack the step's
+tokens per sequence and continue from the slot's conv inputs and SSM state (`StateCache`); padded positions get
+`dt = 0`, which leaves the state unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelArgs
+from .gated_deltanet import causal_conv
+from .norm import GroupedGatedRMSNorm
+
+
+def _heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[B, S, G, N]` -> `[B, S, heads, N]` fp32, each group serving `heads / G` consecutive heads."""
+    return t.float().repeat_interleave(heads // t.shape[2], dim=2)
+
+
+def recurrent_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    resets: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token. x `[B, S, H, P]`, dt `[B, S, H]` (after softplus and clamp), A and D `[H]`, B and C
+    `[B, S, G, N]`, resets `[B, S]` bool (state zeroed before a True token), initial_state `[B, H, P, N]`.
+    Returns y `[B, S, H, P]` and the final state, both fp32."""
+    heads = x.shape[2]
+    x, dt, B, C = x.float(), dt.float(), _heads_of_groups(B, heads), _heads_of_groups(C, heads)
+    batch, seq, _, dim = x.shape
+    state = x.new_zeros(batch, heads, dim, B.shape[-1]) if initial_state is None else initial_state.float()
+    decay = (dt * A.float()).exp()
+    if resets is not None:
+        decay = decay * (~resets)[..., None]
+    outs = []
+    for t in range(seq):
+        update = (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        state = state * decay[:, t, :, None, None] + update
+        outs.append((state * C[:, t, :, None, :]).sum(-1) + D.float()[:, None] * x[:, t])
+    return torch.stack(outs, dim=1), state
+
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """`[..., L]` -> `[..., L, L]`: entry (l, s) = `a[s+1] + ... + a[l]` for s <= l, -inf above the diagonal
+    (transformers' stable form: masked cumulative sums, not differences of one cumsum)."""
+    size = a.shape[-1]
+    expanded = a[..., None].expand(*a.shape, size)
+    below = torch.ones(size, size, dtype=torch.bool, device=a.device).tril(-1)
+    sums = expanded.masked_fill(~below, 0).cumsum(dim=-2)
+    return sums.masked_fill(~torch.ones(size, size, dtype=torch.bool, device=a.device).tril(), float("-inf"))
+
+
+def chunk_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    resets: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form of `recurrent_ssd` (same arguments and results); see the module docstring."""
+    heads = x.shape[2]
+    x, dt, B, C = x.float(), dt.float(), _heads_of_groups(B, heads), _heads_of_groups(C, heads)
+    batch, seq, _, dim = x.shape
+    skip = D.float()[:, None] * x
+    pad = (chunk_size - seq % chunk_size) % chunk_size
+    x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+    dt = F.pad(dt, (0, 0, 0, pad))  # padded tokens: no decay, no update
+    chunks = (seq + pad) // chunk_size
+    xdt = (x * dt[..., None]).unflatten(1, (chunks, chunk_size))  # [b, c, l, h, p]
+    B, C = B.unflatten(1, (chunks, chunk_size)), C.unflatten(1, (chunks, chunk_size))  # [b, c, l, h, n]
+    a = (dt * A.float()).unflatten(1, (chunks, chunk_size)).permute(0, 3, 1, 2)  # [b, h, c, l] log decays
+    cum = a.cumsum(dim=-1)
+    segsum = segment_sum(a)  # [b, h, c, l, s]
+    carry = last_segment = None
+    if resets is not None:
+        # segment index within the chunk: 0 = the segment the chunk inherits from the previous one
+        seg = F.pad(resets, (0, pad)).unflatten(1, (chunks, chunk_size)).long().cumsum(dim=-1)[:, None]  # [b,1,c,l]
+        segsum = segsum.masked_fill(seg[..., :, None] != seg[..., None, :], float("-inf"))
+        carry = (seg == 0).float()
+        last_segment = (seg == seg[..., -1:]).float()
+    scores = torch.einsum("bclhn,bcshn->bhcls", C, B) * segsum.exp()
+    y_diag = torch.einsum("bhcls,bcshp->bclhp", scores, xdt)
+    decay_out = (cum[..., -1:] - cum).exp()
+    if last_segment is not None:
+        decay_out = decay_out * last_segment
+    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_out, xdt)
+    decay_in = cum.exp() if carry is None else cum.exp() * carry  # [b, h, c, l]
+    chunk_decay = cum[..., -1].exp() if carry is None else cum[..., -1].exp() * carry[..., -1]  # [b, h, c]
+    state = x.new_zeros(batch, heads, dim, B.shape[-1]) if initial_state is None else initial_state.float()
+    y_off = []
+    for i in range(chunks):
+        y_off.append(torch.einsum("blhn,bhpn,bhl->blhp", C[:, i], state, decay_in[:, :, i]))
+        state = state * chunk_decay[:, :, i, None, None] + chunk_states[:, i]
+    y = (y_diag + torch.stack(y_off, dim=1)).flatten(1, 2)[:, :seq]
+    return y + skip, state
+
+
+class Mamba2(nn.Module):
+    """The Mamba-2 token mixer, HF parameter names (`mixer.*`): `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
+    `norm`, `out_proj`. Same call as the attention modules."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        m = args.mamba
+        assert m is not None
+        self.layer_idx, self.chunk_size, self.dt_limit = layer_idx, m.chunk_size, m.dt_limit
+        self.num_heads, self.head_dim, self.n_groups, self.state_size = (
+            m.num_heads,
+            m.head_dim,
+            m.n_groups,
+            m.state_size,
+        )
+        self.inner, self.conv_dim = m.inner_size, m.conv_dim
+        self.time_step = (m.time_step_min, m.time_step_max, m.time_step_floor)
+        self.in_proj = nn.Linear(args.hidden_size, self.inner + self.conv_dim + m.num_heads, bias=m.proj_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            m.conv_kernel,
+            groups=self.conv_dim,
+            bias=m.conv_bias,
+            padding=m.conv_kernel - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(m.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(m.num_heads))
+        self.D = nn.Parameter(torch.ones(m.num_heads))
+        self.norm = GroupedGatedRMSNorm(self.inner, m.n_groups, args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.inner, args.hidden_size, bias=m.proj_bias)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """transformers' init: `A_log = log(1..H)`, `D` ones, `dt_bias` the inverse softplus of a log-uniform dt in
+        `[time_step_min, time_step_max]` (floored); the conv bias zero."""
+        low, high, floor = self.time_step
+        with torch.no_grad():
+            self.A_log.copy_(torch.arange(1, self.num_heads + 1, dtype=torch.float32).log())
+            self.D.fill_(1.0)
+            rand = torch.rand(self.num_heads, generator=generator, device=self.dt_bias.device)
+            dt = (rand * (math.log(high) - math.log(low)) + math.log(low)).exp().clamp(min=floor)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if self.conv1d.bias is not None:
+                self.conv1d.bias.zero_()
+
+    def _split(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """z `[..., inner]`, xBC `[..., conv_dim]`, dt `[..., H]`."""
+        z, xbc, dt = projected.split((self.inner, self.conv_dim, self.num_heads), dim=-1)
+        return z, xbc, dt
+
+    def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x `[..., H, P]`, dt (fp32, softplus and clamp), B and C `[..., G, N]` from the conv output and raw dt."""
+        size = self.n_groups * self.state_size
+        x, B, C = xbc.split((self.inner, size, size), dim=-1)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.dt_limit).float()
+        return (
+            x.unflatten(-1, (self.num_heads, self.head_dim)),
+            dt,
+            B.unflatten(-1, (self.n_groups, self.state_size)),
+            C.unflatten(-1, (self.n_groups, self.state_size)),
+        )
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.out_proj(self.norm(y.flatten(-2), z).to(dtype))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: object) -> torch.Tensor:
+        """`x` `[B, S, hidden]` -> `[B, S, hidden]`; `attn` is the forward's `AttnInputs` (its `resets`, or its
+        state cache for a cached step; cos/sin are unused)."""
+        if getattr(attn, "state", None) is not None:
+            return self._cached(x, attn)
+        resets = getattr(attn, "resets", None)
+        z, xbc, dt = self._split(self.in_proj(x))
+        xbc = causal_conv(xbc, self.conv1d.weight, resets, bias=self.conv1d.bias)
+        xs, dt, B, C = self._scan_inputs(xbc, dt)
+        A = -self.A_log.float().exp()
+        y, _ = chunk_ssd(xs, dt, A, B, C, self.D, resets, chunk_size=self.chunk_size)
+        return self._output(y, z, x.dtype)
+
+    def _cached(self, x: torch.Tensor, attn: object) -> torch.Tensor:
+        """A cached step: `x` `[1, T, hidden]` packed; each sequence continues from its slot's state."""
+        batch, store, step = attn.cache_batch, attn.state, attn.state_batch  # type: ignore[attr-defined]
+        unpack = batch.unpack_index  # [N, max_new]
+        max_new = unpack.shape[1]
+        valid = unpack == unpack[:, :1] + torch.arange(max_new, device=x.device)
+        z, xbc, dt = (t[0][unpack] for t in self._split(self.in_proj(x)))
+        conv_state, ssm_state = store.read(self.layer_idx, step)
+        taps = self.conv1d.weight.shape[-1]
+        history = torch.cat([conv_state.transpose(1, 2).to(xbc.dtype), xbc], dim=1)  # [N, K - 1 + max_new, C]
+        conv_out = causal_conv(xbc, self.conv1d.weight, state=conv_state, bias=self.conv1d.bias)
+        xs, dt, B, C = self._scan_inputs(conv_out, dt)
+        dt = dt * valid[..., None]  # padded positions keep the state as it is
+        A = -self.A_log.float().exp()
+        if max_new == 1:
+            y, ssm_state = recurrent_ssd(xs, dt, A, B, C, self.D, initial_state=ssm_state)
+        else:
+            y, ssm_state = chunk_ssd(xs, dt, A, B, C, self.D, initial_state=ssm_state, chunk_size=self.chunk_size)
+        lengths = valid.sum(dim=1)
+        keep = lengths[:, None] + torch.arange(taps - 1, device=x.device)  # the last K - 1 inputs of each sequence
+        new_conv = history.gather(1, keep[..., None].expand(-1, -1, history.shape[-1])).transpose(1, 2)
+        store.write(self.layer_idx, step, new_conv, ssm_state)
+        y = y.flatten(0, 1)[batch.pack_index]
+        z = z.flatten(0, 1)[batch.pack_index]
+        return self._output(y, z, x.dtype)[None]
