@@ -7,6 +7,9 @@ pointing at the scratch block) and a logits buffer; weights are updated in place
 stay valid across weight swaps. Graphs are captured on first use of a bucket and share one memory pool;
 the logits of one replay are consumed before the next. Steps larger than the largest bucket, and buckets
 whose capture fails (a host sync in the step, or a compile error), run eagerly and uncompiled.
+
+Hybrid models capture the same way: the state slot of each row is one more column of the input buffer (padded
+rows use the scratch slot), and the state cache, like the KV cache, is updated in place at fixed addresses.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.inference.decode import EagerDecoder, StepFunction, decode_step, write_inputs
-from tandem.models import CausalLM, KVCache
+from tandem.inference.decode import EagerDecoder, StepFunction, check_slots, decode_step, state_arg, write_inputs
+from tandem.models import CausalLM, KVCache, StateCache
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +55,12 @@ class GraphedDecoder:
         batch_sizes: Sequence[int],
         max_blocks: int,
         step: StepFunction = decode_step,
+        state: StateCache | None = None,
     ) -> None:
-        self.model, self.cache, self.step = model, cache, step
+        self.model, self.cache, self.step, self.state = model, cache, step, state
         self.batch_sizes = sorted(set(batch_sizes))
         self.widths = width_buckets(cache.block_size, max_blocks)
-        self.eager = EagerDecoder(model, cache)  # plain: it is also the fallback when capturing `step` fails
+        self.eager = EagerDecoder(model, cache, state=state)  # plain: also the fallback when capturing `step` fails
         self._graphs: dict[tuple[int, int], _Graph | None] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -66,13 +70,15 @@ class GraphedDecoder:
         lengths: Sequence[int],
         tables: Sequence[Sequence[int]],
         device_tokens: torch.Tensor | None = None,
+        slots: Sequence[int] | None = None,
     ) -> torch.Tensor:
+        check_slots(self.state, slots)
         rows = next((b for b in self.batch_sizes if b >= len(tokens)), None)
         width = next(w for w in self.widths if w >= max(len(table) for table in tables))
         graph = None if rows is None else self._graph(rows, width)
         if graph is None:
-            return self.eager(tokens, lengths, tables, device_tokens)
-        write_inputs(graph.inputs, tokens, lengths, tables, device_tokens)
+            return self.eager(tokens, lengths, tables, device_tokens, slots)
+        write_inputs(graph.inputs, tokens, lengths, tables, device_tokens, slots)
         graph.graph.replay()
         return graph.logits[: len(tokens)]
 
@@ -91,16 +97,18 @@ class GraphedDecoder:
         return self._graphs[key]
 
     def _capture(self, rows: int, width: int) -> _Graph:
-        inputs = torch.zeros(rows, 2 + width, dtype=torch.int64, device=self.cache.device)  # all scratch
+        header = 2 if self.state is None else 3  # the state slot column: 0, the scratch slot, as the blocks
+        inputs = torch.zeros(rows, header + width, dtype=torch.int64, device=self.cache.device)  # all scratch
+        extra = state_arg(self.state)
         side = torch.cuda.Stream(self.cache.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy initialisation, compilation and autotuning happen outside capture
-                self.step(self.model, self.cache, inputs)
+                self.step(self.model, self.cache, inputs, *extra)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.step(self.model, self.cache, inputs)
+            logits = self.step(self.model, self.cache, inputs, *extra)
         logger.info(
             "captured a CUDA graph for decode steps of batch %d, key capacity %d", rows, width * self.cache.block_size
         )

@@ -5,6 +5,9 @@ prefill. Decode steps instead take one int64 tensor `[N, 2 + W]` per step (token
 block-table entries, padded with the scratch block) and derive every `CacheBatch` index from it with tensor
 ops, over a key capacity of `W * block_size` positions. Shapes depend only on (N, W), so the very same
 function runs eagerly or is captured once per (N, W) bucket as a CUDA graph (`cuda_graphs.py`).
+
+Hybrid models (linear-attention layers) add one column after the cached length, the sequence's recurrent-state
+slot (`[N, 3 + W]`; padded rows use the scratch slot), and the step takes the `StateCache` too.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tandem.inference.scheduler import SCRATCH_BLOCK
-from tandem.models import CacheBatch, CausalLM, KVCache
+from tandem.inference.scheduler import SCRATCH_BLOCK, SCRATCH_SLOT
+from tandem.models import CacheBatch, CausalLM, KVCache, StateBatch, StateCache
 
 
 def decode_batch(lengths: torch.Tensor, tables: torch.Tensor, block_size: int) -> CacheBatch:
@@ -35,20 +38,32 @@ def decode_batch(lengths: torch.Tensor, tables: torch.Tensor, block_size: int) -
     )
 
 
-def decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor) -> torch.Tensor:
-    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row."""
-    return model.decode(inputs[:, 0], cache, decode_batch(inputs[:, 1], inputs[:, 2:], cache.block_size))
+def decode_step(model: CausalLM, cache: KVCache, inputs: torch.Tensor, state: StateCache | None = None) -> torch.Tensor:
+    """Logits `[N, V]` for `inputs` `[N, 2 + W]` = (token, cached length, block table...) per row; with a hybrid
+    model's `state`, `[N, 3 + W]` = (token, cached length, state slot, block table...)."""
+    lengths = inputs[:, 1]
+    if state is None:
+        return model.decode(inputs[:, 0], cache, decode_batch(lengths, inputs[:, 2:], cache.block_size))
+    batch = decode_batch(lengths, inputs[:, 3:], cache.block_size)
+    return model.decode(inputs[:, 0], cache, batch, state, StateBatch(slots=inputs[:, 2], fresh=lengths == 0))
 
 
 def decode_inputs(
-    tokens: Sequence[int], lengths: Sequence[int], tables: Sequence[Sequence[int]], rows: int, width: int
+    tokens: Sequence[int],
+    lengths: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    rows: int,
+    width: int,
+    slots: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """The host tensor `[rows, 2 + width]` for `decode_step`; rows past the real ones are padding (scratch)."""
+    """The host tensor `[rows, 2 + width]` for `decode_step` (`[rows, 3 + width]` with state `slots`); rows past
+    the real ones are padding (scratch block, scratch slot)."""
+    state = [] if slots is None else [[slot] for slot in slots]
     data = [
-        [token, length, *table, *[SCRATCH_BLOCK] * (width - len(table))]
-        for token, length, table in zip(tokens, lengths, tables, strict=True)
+        [token, length, *(state[row] if state else ()), *table, *[SCRATCH_BLOCK] * (width - len(table))]
+        for row, (token, length, table) in enumerate(zip(tokens, lengths, tables, strict=True))
     ]
-    data += [[0, 0, *[SCRATCH_BLOCK] * width]] * (rows - len(data))
+    data += [[0, 0, *([SCRATCH_SLOT] if state else ()), *[SCRATCH_BLOCK] * width]] * (rows - len(data))
     return torch.tensor(data, dtype=torch.int64)
 
 
@@ -66,24 +81,30 @@ def write_inputs(
     lengths: Sequence[int],
     tables: Sequence[Sequence[int]],
     device_tokens: torch.Tensor | None,
+    slots: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Fill the device tensor `out` `[rows, 2 + W]` with `decode_inputs`; `device_tokens` (`[N]` on the device),
-    when given, replace `tokens`: the ids the previous step sampled that the host has not read yet."""
-    copy_to_device(decode_inputs(tokens, lengths, tables, out.shape[0], out.shape[1] - 2), out)
+    """Fill the device tensor `out` `[rows, 2 + W]` (`[rows, 3 + W]` with `slots`) with `decode_inputs`;
+    `device_tokens` (`[N]` on the device), when given, replace `tokens`: the ids the previous step sampled that the
+    host has not read yet."""
+    width = out.shape[1] - (2 if slots is None else 3)
+    copy_to_device(decode_inputs(tokens, lengths, tables, out.shape[0], width, slots), out)
     if device_tokens is not None:
         out[: len(tokens), 0].copy_(device_tokens)
     return out
 
 
-StepFunction = Callable[[CausalLM, KVCache, torch.Tensor], torch.Tensor]
-"""`decode_step`, or a compiled version of it."""
+StepFunction = Callable[..., torch.Tensor]
+"""`decode_step`, or a compiled version of it: `(model, cache, inputs)`, plus the `StateCache` for hybrids."""
 
 
 class EagerDecoder:
-    """Decode steps run op by op, sized to the step (any device); `device_tokens` as in `write_inputs`."""
+    """Decode steps run op by op, sized to the step (any device); `device_tokens` as in `write_inputs`. With a
+    hybrid model's `state`, every call passes the sequences' state `slots`."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, step: StepFunction = decode_step) -> None:
-        self.model, self.cache, self.step = model, cache, step
+    def __init__(
+        self, model: CausalLM, cache: KVCache, step: StepFunction = decode_step, state: StateCache | None = None
+    ) -> None:
+        self.model, self.cache, self.step, self.state = model, cache, step, state
 
     def __call__(
         self,
@@ -91,7 +112,21 @@ class EagerDecoder:
         lengths: Sequence[int],
         tables: Sequence[Sequence[int]],
         device_tokens: torch.Tensor | None = None,
+        slots: Sequence[int] | None = None,
     ) -> torch.Tensor:
+        check_slots(self.state, slots)
         width = max(len(table) for table in tables)
-        inputs = torch.empty(len(tokens), 2 + width, dtype=torch.int64, device=self.cache.device)
-        return self.step(self.model, self.cache, write_inputs(inputs, tokens, lengths, tables, device_tokens))
+        header = 2 if self.state is None else 3
+        inputs = torch.empty(len(tokens), header + width, dtype=torch.int64, device=self.cache.device)
+        write_inputs(inputs, tokens, lengths, tables, device_tokens, slots)
+        return self.step(self.model, self.cache, inputs, *state_arg(self.state))
+
+
+def check_slots(state: StateCache | None, slots: Sequence[int] | None) -> None:
+    if (state is None) != (slots is None):
+        raise ValueError("state slots go with a hybrid model's state cache, and only with it")
+
+
+def state_arg(state: StateCache | None) -> tuple[StateCache, ...]:
+    """The step function's extra argument: the state cache of a hybrid model, none otherwise."""
+    return () if state is None else (state,)

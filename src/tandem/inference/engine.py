@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.config.inference import InferenceConfig
-from tandem.inference.kv_budget import kv_cache_blocks
+from tandem.inference.kv_budget import kv_cache_blocks, state_slots
 from tandem.inference.limits import BatchLimits, ServerLimits, check_prompt
 from tandem.inference.outputs import Collector, PromptLogprobs, RequestUpdate, SampleRecord
 from tandem.inference.protocol import SamplingParams
@@ -102,7 +102,11 @@ class Engine:
         self.vocab_size, self.max_model_len = model.args.vocab_size, config.seq_len
         num_blocks = kv_cache_blocks(config, model.args, model.lm_head_weight.dtype, self.device)
         self.scheduler = Scheduler(
-            BlockAllocator(num_blocks), config.block_size, config.max_running, config.max_prefill_tokens
+            BlockAllocator(num_blocks),
+            config.block_size,
+            config.max_running,
+            config.max_prefill_tokens,
+            state_slots(config, model.args),
         )
         self.runner = Runner(self.model, config, self.scheduler, tokenizer)
         self.requests = Requests(

@@ -33,6 +33,8 @@ O_PROJ_MIN_ROWS = 8
 def fused_decode_supported(model: CausalLM) -> str | None:
     """Why the fused step cannot run `model`, or None when it can."""
     args = model.args
+    if args.is_hybrid:
+        return "recurrent-state layers (a hybrid model: linear attention, Mamba): the kernels cover attention only"
     if lora_args(model) is not None:
         return "LoRA adapters: the fused kernels read each projection's `.weight` and would skip the adapters"
     if args.mla is not None:

@@ -5,6 +5,10 @@ states of every token), requests with n > 1 fork once their prompt is cached, on
 every running sequence (`decode.py`, under CUDA graphs when enabled, on the Triton kernels where chosen), and one
 sampler call draws the next token of every sequence that has its whole context cached (`sampling.py`).
 
+A hybrid model (linear-attention layers, `args.is_hybrid`) also gets a `StateCache` beside the KV cache, a slot per
+running sequence (the scheduler assigns them); its forwards take the state and the step's `StateBatch`, and a
+fork copies the parent's state into its children's slots as it copies the last KV block.
+
 With `overlap_steps`, a decode step whose rows all sample from the whole vocabulary leaves its tokens on the
 device (`InFlight`): the next step, when it decodes exactly the same sequences, is launched with those tokens as
 inputs before the host reads them, so the request side records the previous step while the GPU computes. A
@@ -27,14 +31,14 @@ from tandem.config.inference import InferenceConfig
 from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.decode import EagerDecoder, StepFunction, decode_step
 from tandem.inference.fused_decode import fused_decode_step, fused_decode_supported
-from tandem.inference.kv_budget import block_bytes
+from tandem.inference.kv_budget import block_bytes, state_bytes
 from tandem.inference.outputs import PromptLogprobs
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.requests import Sampled
 from tandem.inference.sampling import Sampler, SamplingBatch
-from tandem.inference.scheduler import SCRATCH_BLOCK, Request, Scheduler, Sequence, StepPlan
+from tandem.inference.scheduler import SCRATCH_BLOCK, SCRATCH_SLOT, Request, Scheduler, Sequence, StepPlan
 from tandem.kernels import triton_available, triton_unavailable_reason
-from tandem.models import CausalLM, KVCache
+from tandem.models import CausalLM, KVCache, StateCache
 from tandem.models.logprobs import score_tokens
 
 logger = logging.getLogger(__name__)
@@ -92,6 +96,19 @@ class Runner:
             config.block_size,
             num_blocks * block_bytes(args, config.block_size, dtype) / 2**30,
         )
+        self.state: StateCache | None = None
+        """The recurrent state of a hybrid model's linear-attention layers (slot 0 is scratch); None otherwise."""
+        if args.is_hybrid:
+            slots = scheduler.state_slots
+            if slots < config.max_running + 1:
+                raise ValueError(f"{args.architecture} keeps a recurrent state: the scheduler needs state_slots")
+            self.state = StateCache.for_model(args, slots, dtype, self.device)
+            logger.info(
+                "recurrent state: %d slots for %d running sequences (%.2f GiB)",
+                slots,
+                config.max_running,
+                state_bytes(args, slots, dtype) / 2**30,
+            )
         self.decoder = self._decoder()
         self.sampler = Sampler(triton=self.decoder.step is fused_decode_step)
         self.in_flight: InFlight | None = None
@@ -107,8 +124,8 @@ class Runner:
             # row costs next to nothing in a memory-bound step.
             smallest = 2 if compiled else 1
             sizes = [max(b, smallest) for b in self.config.cuda_graph_batch_sizes if b <= self.config.max_running]
-            return GraphedDecoder(self.model, self.cache, sizes, max_blocks, step)
-        return EagerDecoder(self.model, self.cache, step)
+            return GraphedDecoder(self.model, self.cache, sizes, max_blocks, step, self.state)
+        return EagerDecoder(self.model, self.cache, step, self.state)
 
     def _decode_step(self) -> StepFunction:
         """The Triton step where asked (auto: on CUDA with triton installed), else the module step, compiled if asked."""
@@ -189,7 +206,8 @@ class Runner:
         """Prefill one token into the scratch block and sample it, with no request involved: raises if the engine
         cannot step at all (a broken device)."""
         batch = self.cache.batch([1], [0], [[SCRATCH_BLOCK]])
-        logits = self.model.prefill(torch.zeros(1, dtype=torch.long, device=self.device), self.cache, batch)
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        logits = self.model.prefill(ids, self.cache, batch, *self._state_args([SCRATCH_SLOT], [0]))
         self.sampler(logits, SamplingBatch.build([SamplingParams(temperature=0)], [0], [0], [0], self.device))
 
     # --- a step's parts ---
@@ -243,13 +261,14 @@ class Runner:
         tables = [seq.blocks + [-1] * (width - len(seq.blocks)) for seq in seqs]
         batch = self.cache.batch([take for _, take in chunks], [seq.num_cached for seq in seqs], tables)
         input_ids = torch.tensor(ids, device=self.device)
+        state = self._state_args([seq.slot for seq in seqs], [seq.num_cached for seq in seqs])  # () unless hybrid
         scoring = self._prompt_targets(chunks)
         if scoring[0]:  # only requests that asked for prompt logprobs pay for the hidden states of every token
-            hidden = self.model.cached_hidden_states(input_ids, self.cache, batch)
+            hidden = self.model.cached_hidden_states(input_ids, self.cache, batch, *state)
             logits = self.model.compute_logits(hidden[batch.last_index])
             self._score_prompts(hidden, *scoring)
         else:
-            logits = self.model.prefill(input_ids, self.cache, batch)
+            logits = self.model.prefill(input_ids, self.cache, batch, *state)
         rows: list[int] = []
         ready: list[Sequence] = []
         for row, (seq, take) in enumerate(chunks):
@@ -260,6 +279,8 @@ class Runner:
             if seq.request.unforked:
                 children, copies = self.scheduler.fork(seq, self.tokenizer)
                 self._copy_blocks(copies)
+                if self.state is not None and children:
+                    self.state.copy([seq.slot] * len(children), [child.slot for child in children])
                 group += children
             rows += [row] * len(group)
             ready += group
@@ -306,10 +327,19 @@ class Runner:
 
     def _decode(self, seqs: list[Sequence], device_tokens: torch.Tensor | None) -> torch.Tensor:
         tokens = [seq.tokens[-1] for seq in seqs]  # a place-holder where `device_tokens` has the token
-        logits = self.decoder(tokens, [seq.num_cached for seq in seqs], [seq.blocks for seq in seqs], device_tokens)
+        lengths, tables = [seq.num_cached for seq in seqs], [seq.blocks for seq in seqs]
+        if self.state is None:
+            logits = self.decoder(tokens, lengths, tables, device_tokens)
+        else:
+            logits = self.decoder(tokens, lengths, tables, device_tokens, [seq.slot for seq in seqs])
         for seq in seqs:
             seq.num_cached += 1
         return logits
+
+    def _state_args(self, slots: list[int], cached: list[int]) -> tuple[Any, ...]:
+        """A hybrid model's extra forward arguments, the state cache and the step's `StateBatch` (a sequence with 0
+        cached tokens starts from a zero state); none for other models."""
+        return () if self.state is None else (self.state, self.state.batch(slots, cached))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -12,6 +12,13 @@ the batch, until each has sampled a token, so a step that fails again has one re
 A request with n samples is admitted as one sequence. When its prompt is cached it forks into n: the children
 share the prompt's full blocks (reference-counted) and get a copy of the last, partly filled one, so no
 block is ever written by two sequences.
+
+Hybrid models (linear-attention layers) also keep a recurrent state per sequence (`tandem.models.StateCache`):
+with `state_slots`, every running sequence owns one slot, assigned at admission (or at its fork, where the runner
+copies the parent's state into it) and freed when it finishes, is cancelled or preempted. A state is only valid at
+the end of a sequence's cached tokens, which holds here: a sequence's cache is only ever dropped whole (preemption,
+a failed step), so it is recomputed from token 0 (prompt and every token generated so far) from a fresh state, and
+no cached prefix is shared across requests.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from tandem.inference.protocol import SamplingParams
 
 SCRATCH_BLOCK = 0
 """Never allocated: padded rows of a fixed-shape decode step read and write here."""
+SCRATCH_SLOT = 0
+"""Never assigned: the recurrent-state slot of the padded rows of a fixed-shape decode step (hybrid models)."""
 
 
 class BlockAllocator:
@@ -105,6 +114,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
+    slot: int = SCRATCH_SLOT
+    """Its recurrent-state slot while it runs (hybrid models only)."""
     record: SampleRecord = field(default_factory=SampleRecord)
     sent_tokens: int = 0
     sent_chars: int = 0
@@ -128,8 +139,21 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_running: int,
+        max_prefill_tokens: int,
+        state_slots: int = 0,
+    ) -> None:
+        """`state_slots`: the recurrent-state slots of a hybrid model (0: none), slot 0 being scratch; needs
+        `max_running + 1`, one per running sequence."""
+        if state_slots and state_slots < max_running + 1:
+            raise ValueError(f"{state_slots} state slots for max_running = {max_running}: needs max_running + 1")
         self.allocator, self.block_size = allocator, block_size
+        self.state_slots = state_slots
+        self._free_slots = list(range(state_slots - 1, SCRATCH_SLOT, -1))
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.watermark = max(1, allocator.num_blocks // 100)
         self.waiting: deque[Sequence] = deque()
@@ -139,6 +163,11 @@ class Scheduler:
         """Requests of a failed step still to run alone; the first (the probe) is the only one scheduled."""
         self._probed: set[Sequence] = set()
         """The probe's sequences that have sampled a token on probation."""
+
+    @property
+    def num_free_slots(self) -> int:
+        """Recurrent-state slots not held by a running sequence (scratch excluded)."""
+        return len(self._free_slots)
 
     @property
     def num_waiting_requests(self) -> int:
@@ -177,6 +206,7 @@ class Scheduler:
             self.waiting.remove(seq)
             take = min(seq.pending, budget)
             seq.blocks = self.allocator.allocate(self._blocks_for(take))
+            self._assign_slot(seq)
             self.running.append(seq)
             if seq.pending == 1 and not seq.request.unforked:
                 plan.decode.append(seq)
@@ -195,7 +225,8 @@ class Scheduler:
         """Whether waiting `seq` can join now (with `budget` prompt tokens to prefill, `reserved_blocks` taken)."""
         slots = 1 + seq.request.unforked if seq.sample == 0 else 1
         free = self.allocator.num_free - reserved_blocks - self.blocks_to_admit(min(seq.pending, budget), slots)
-        return len(self.running) + slots <= self.max_running and free >= self.watermark
+        forking = sum(running.request.unforked for running in self.running if running.sample == 0)
+        return len(self.running) + forking + slots <= self.max_running and free >= self.watermark
 
     def blocks_to_admit(self, tokens: int, samples: int) -> int:
         """Free blocks a waiting sequence needs to join with a chunk of `tokens` prompt tokens: the chunk's, plus one
@@ -230,11 +261,19 @@ class Scheduler:
     def _drop(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.release(seq.blocks)
-        seq.blocks, seq.num_cached = [], 0
+        seq.blocks, seq.num_cached = [], 0  # recomputed from token 0: a hybrid's state starts fresh again
+        if self.state_slots and seq.slot != SCRATCH_SLOT:
+            self._free_slots.append(seq.slot)
+            seq.slot = SCRATCH_SLOT
+
+    def _assign_slot(self, seq: Sequence) -> None:
+        if self.state_slots:
+            seq.slot = self._free_slots.pop()  # `max_running` bounds the running sequences, so one is free
 
     def fork(self, parent: Sequence, tokenizer: Any) -> tuple[list[Sequence], list[tuple[int, int]]]:
         """Sample 0's prompt is cached: make the other samples. Returns them and the `(src, dst)` block copies
-        the caller must make (the partly filled last block) before they run.
+        the caller must make (the partly filled last block) before they run; with state slots, the caller also
+        copies the parent's state into each child's slot.
 
         Children that get no block for that copy wait to be prefilled on their own instead.
         """
@@ -255,6 +294,7 @@ class Scheduler:
                 copies.append((parent.blocks[full], copy))
                 child.blocks.append(copy)
             child.num_cached = parent.num_cached
+            self._assign_slot(child)
             children.append(child)
         request.unforked = 0
         at = self.running.index(parent) + 1

@@ -1,0 +1,51 @@
+"""A tiny servable hybrid model (Qwen3-Next: Gated DeltaNet layers with a recurrent state beside gated attention),
+for the engine and RL tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.model_parity import write_hf_model
+from tandem.testing.tiny import SPECIAL_TOKENS, write_tokenizer
+
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 72,
+    "intermediate_size": 88,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 40,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 12,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 6,
+    "linear_key_head_dim": 10,
+    "linear_value_head_dim": 14,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 3,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [1],
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+"""Tiny Qwen3-Next (as tests/models/test_qwen3_next.py): layers linear, full, linear, full; 2 key heads serving 6
+value heads (k dim 10, v dim 14); GQA 6/2, head dim 12, partial rotary."""
+
+PERTURB = ("layernorm.weight", "norm.weight", "dt_bias", "A_log")
+"""Zero-centred norms start at 0 and dt_bias at 1 in transformers: randomised so that parity covers them."""
+
+
+def write_servable_qwen3_next(path: Path, seed: int = 0) -> Path:
+    """`support.model_parity.write_servable_model` for QWEN3_NEXT, its zero-initialised norms and gates perturbed."""
+    vocab = write_tokenizer(path)
+    special = {"bos_token_id": None, "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"), "pad_token_id": 0}
+    return write_hf_model(path, {**QWEN3_NEXT, "vocab_size": vocab, **special}, seed, perturb=PERTURB)
