@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.hybrid_models import QWEN3_NEXT
 from support.model_parity import (
     PACKED_ROWS,
     TOL,
@@ -23,36 +24,7 @@ from tandem.models import KVCache, load_model, model_args
 from tandem.models.layers.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from tandem.models.layers.state_cache import StateCache
 
-CONFIG = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "vocab_size": 256,
-    "hidden_size": 72,
-    "intermediate_size": 88,
-    "moe_intermediate_size": 24,
-    "shared_expert_intermediate_size": 40,
-    "num_hidden_layers": 4,
-    "full_attention_interval": 2,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 2,
-    "head_dim": 12,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 6,
-    "linear_key_head_dim": 10,
-    "linear_value_head_dim": 14,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 8,
-    "num_experts_per_tok": 3,
-    "norm_topk_prob": True,
-    "mlp_only_layers": [1],
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+CONFIG = {**QWEN3_NEXT, "vocab_size": 256}
 """Tiny Qwen3-Next: layers linear, full, linear, full; layer 1 dense; 2 key heads serving 6 value heads (k dim 10,
 v dim 14); GQA 6/2 with head dim 12 of which RoPE rotates 3 (partial rotary 0.25, left to transformers' default)."""
 
