@@ -14,8 +14,9 @@ from tandem.models import build_model, model_args
 from tandem.shared_gpu import (
     GIB,
     activation_bytes_per_token,
-    parameter_count,
+    parameter_counts,
     plan_shared_gpu,
+    server_need,
     split_shared_gpu,
     trainer_need,
 )
@@ -80,7 +81,7 @@ def test_activation_rule_covers_what_autograd_saves_within_2x(tmp_path):
 )
 def test_a_shared_h200_is_split_with_sane_numbers(shapes, name, trainer_gib):
     config = rl_config(shapes[name])
-    params = parameter_count(model_args(shapes[name]))
+    params = parameter_counts(model_args(shapes[name]), config.model.lora).base
     need = trainer_need(config)
     assert need.states == 16 * params  # fp32 weights, grads, AdamW's two moments
     assert trainer_gib[0] * GIB <= need.total <= trainer_gib[1] * GIB
@@ -98,6 +99,29 @@ def test_a_shared_h200_is_split_with_sane_numbers(shapes, name, trainer_gib):
     assert f"gpu_memory_utilization {inference.gpu_memory_utilization:g}" in message
     assert f"{inference.kv_cache_blocks} blocks" in message
     assert config.inference.kv_cache_blocks == 0  # the plan is a new config
+
+
+def test_lora_counts_adapters_as_trained_and_the_folded_copy_on_the_server(shapes):
+    """LoRA rank 16 on Qwen3-1.7B: the trainer holds the bf16 base once plus fp32 adapters with their gradients and
+    AdamW state (~4 GiB, not full fine-tuning's ~27 GiB) and hands off only adapters; a folding server holds one
+    more copy of the adapted weights (every projection: most of the model besides the embedding)."""
+    def config(**model) -> RlConfig:
+        model = {"name": str(shapes["1.7b"]), "dtype": "bfloat16", **model}
+        return RlConfig.model_validate({"model": model, "seq_len": 4096, "run_name": "rl"})
+
+    full, adapted = config(), config(lora={"rank": 16, "alpha": 32})
+    counts = parameter_counts(model_args(shapes["1.7b"]), adapted.model.lora)
+    assert counts.base == parameter_counts(model_args(shapes["1.7b"]), full.model.lora).base
+    assert 0.003 * counts.base < counts.adapters < 0.02 * counts.base  # rank 16 of 2048-wide projections
+    assert 0.6 * counts.base < counts.adapted < 0.9 * counts.base  # all but the 151936 x 2048 embedding
+    need, full_need = trainer_need(adapted), trainer_need(full)
+    assert need.states == 16 * counts.adapters + 2 * counts.base
+    assert need.handoff == 4 * counts.adapters and full_need.handoff == 2 * counts.base
+    assert full_need.total - need.total > 20 * GIB
+    folded, unmerged = server_need(adapted), server_need(adapted.model_copy(update={
+        "inference": adapted.inference.model_copy(update={"lora_fold": False})}))  # fmt: skip
+    assert folded.weights - unmerged.weights == 2 * counts.adapted
+    assert unmerged.weights == 2 * counts.base + 4 * counts.adapters
 
 
 def test_a_utilisation_the_user_set_wins_and_is_checked(shapes):

@@ -12,7 +12,10 @@ split would depend on which one allocates first. Instead the launcher plans the 
   with the fused loss, several fp32 ones without), and slack for the CUDA context and the allocator's
   fragmentation. AdamW's step
   runs after backward has freed the activations, so its foreach temporaries count only when larger;
-- each server gets its CUDA context, its weights in the serving dtype, the engine's own estimate of one step's
+  With LoRA (`model.lora`) only the adapters count so (and travel, in fp32); the frozen base is held once, in
+  the compute dtype;
+- each server gets its CUDA context, its weights in the serving dtype (with LoRA: and the fp32 adapters, and a
+  copy of the adapted weights when it folds them, `inference.lora_fold`), the engine's own estimate of one step's
   temporaries (`kv_budget.activation_bytes`) and a KV cache of at least one `seq_len` sequence, and then the
   rest of the GPU, up to room for `max_running` sequences of `seq_len` tokens (more could never be used);
 - what is left stays free, as headroom for the trainer.
@@ -39,10 +42,12 @@ from pathlib import Path
 import torch
 
 from tandem.config import ConfigError
+from tandem.config.common import LoraConfig
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig
 from tandem.inference.kv_budget import activation_bytes, block_bytes
 from tandem.models import ModelArgs, build_model, model_args
+from tandem.models.lora import LoraArgs, apply_lora, lora_modules, lora_parameters
 from tandem.trainer.parallel import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -146,9 +151,25 @@ def split_shared_gpu(config: RlConfig) -> tuple[RlConfig, str | None]:
     return plan_shared_gpu(config, gpu.total_bytes, gpu.name)
 
 
-def parameter_count(args: ModelArgs) -> int:
-    """Parameters of the model, counted on the meta device (tied embeddings once, MoE experts all)."""
-    return sum(p.numel() for p in build_model(args, device="meta").parameters())
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A model's parameters, counted on the meta device (tied embeddings once, MoE experts all)."""
+
+    base: int
+    adapters: int = 0
+    """LoRA adapter parameters (what trains, in fp32, and what a hand-off moves)."""
+    adapted: int = 0
+    """Base parameters under adapters: what a server folding them (`inference.lora_fold`) keeps a copy of."""
+
+
+def parameter_counts(args: ModelArgs, lora: LoraConfig) -> ParameterCounts:
+    model = build_model(args, device="meta")
+    base = sum(p.numel() for p in model.parameters())
+    if not lora.enabled:
+        return ParameterCounts(base)
+    apply_lora(model, LoraArgs(lora.rank, lora.alpha, 0.0, tuple(lora.target_modules)))
+    adapters = sum(p.numel() for p in lora_parameters(model))
+    return ParameterCounts(base, adapters, sum(module.weight.numel() for _, module in lora_modules(model)))
 
 
 def activation_bytes_per_token(args: ModelArgs, checkpointing: str, compiled: bool = False) -> float:
@@ -187,7 +208,11 @@ def trainer_need(config: RlConfig) -> TrainerNeed:
     """The estimate described in the module docstring, for trainer rank 0."""
     trainer = config.trainer
     args = model_args(Path(trainer.model.name))
-    params = parameter_count(args)
+    counts = parameter_counts(args, trainer.model.lora)
+    # LoRA: only the adapters train (fp32 with gradients and AdamW state, and travel); the base is frozen in the
+    # compute dtype, so it needs no master copy, gradient or cast
+    params = counts.adapters or counts.base
+    frozen = counts.base * DTYPES[trainer.model.dtype].itemsize if counts.adapters else 0
     ranks = config.deploy.trainer_nproc
     tokens = config.orchestrator.micro_batch_rows * trainer.seq_len
     chunk = min(trainer.loss_chunk_size, tokens)
@@ -201,9 +226,9 @@ def trainer_need(config: RlConfig) -> TrainerNeed:
         trainer.weights.transport == "auto" and config.inference.engine == "builtin"
     )
     allocated = {
-        "states": -(-STATE_BYTES * params // ranks),
+        "states": -(-(STATE_BYTES * params + frozen) // ranks),
         "compute_copies": COMPUTE_COPY_BYTES * params,
-        "handoff": policy_bytes * params if shared else 0,
+        "handoff": (4 if counts.adapters else policy_bytes) * params if shared else 0,
         "activations": int(
             tokens * activation_bytes_per_token(args, trainer.activation_checkpointing, compiled=trainer.compile)
         ),
@@ -219,9 +244,11 @@ def server_need(config: RlConfig) -> ServerNeed:
     inference = config.inference
     args = model_args(Path(inference.model.name))
     dtype = DTYPES[inference.model.dtype]
+    counts = parameter_counts(args, inference.model.lora)
+    folded_copy = counts.adapted * dtype.itemsize if inference.lora_fold else 0
     return ServerNeed(
         context=CUDA_CONTEXT_BYTES,
-        weights=parameter_count(args) * dtype.itemsize,
+        weights=counts.base * dtype.itemsize + 4 * counts.adapters + folded_copy,
         activations=activation_bytes(inference, args, dtype),
         block=block_bytes(args, inference.block_size, dtype),
     )

@@ -1,6 +1,7 @@
-"""The built-in engine serving a base model with a LoRA adapter, unmerged: its logprobs are the trainer's scoring of
-the same adapter (fp32), the fused decode step refuses adapters, a bad adapter directory is a ConfigError before
-anything is allocated, and every weight hand-off (shared, broadcast, file) moves the adapters only, in place."""
+"""The built-in engine serving a base model with a LoRA adapter, folded into the weights (the default) or unmerged:
+its logprobs are the trainer's scoring of the same adapter (fp32), the fused decode step runs folded adapters and
+refuses unmerged ones, a bad adapter directory is a ConfigError before anything is allocated, and every weight
+hand-off (shared, broadcast, file) moves the adapters only, in place, folding them again from the kept base."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from support.polling import wait_until
 from tandem.config import ConfigError
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
-from tandem.inference.main import eos_token_ids, lora_to_serve, served_name
+from tandem.inference.main import eos_token_ids, load_served_model, lora_to_serve, served_name
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.weights import weight_targets
 from tandem.models import load_model
@@ -22,7 +23,8 @@ from tandem.models.lora import (
     adapter_state_dict,
     apply_lora,
     is_adapter_name,
-    load_peft_adapter,
+    lora_modules,
+    merge_lora,
     save_adapter,
     write_adapter,
 )
@@ -46,14 +48,9 @@ def _adapted(path, seed: int):
 
 
 def _engine(path, tokenizer, **overrides) -> Engine:
-    """An fp32 CPU engine built as `tandem inference` builds it (`lora_to_serve`, then the adapters applied)."""
+    """An fp32 CPU engine built as `tandem inference` builds it (`lora_to_serve`, then `load_served_model`)."""
     config = engine_config(path, device="cpu", **overrides)
-    lora = lora_to_serve(config, path)
-    model = load_model(path, dtype=torch.float32, device="cpu")
-    if lora is not None:
-        apply_lora(model, lora, seed=0)
-        if config.lora_adapter is not None:
-            load_peft_adapter(model, config.lora_adapter)
+    model = load_served_model(config, path, torch.device("cpu"), lora_to_serve(config, path))
     return Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(path, tokenizer)).start()
 
 
@@ -81,16 +78,19 @@ def _trainer_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tens
     return scored.double()
 
 
-def test_the_engine_samples_an_adapter_as_the_trainer_scores_it(model_dir, tokenizer, tmp_path, engines):
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "unmerged"])
+def test_the_engine_samples_an_adapter_as_the_trainer_scores_it(fold, model_dir, tokenizer, tmp_path, engines):
     base = model_dir()
     trained = _adapted(base, seed=1)
     adapter = save_adapter(trained, tmp_path / "my-adapter", base_model_name=str(base))
-    engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter))
+    engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter, lora_fold=fold))
     config = engine_config(base, lora_adapter=adapter)
     assert served_name(config, base) == "my-adapter"
     assert served_name(engine_config(base, lora_adapter=adapter, lora_name="reverser"), base) == "reverser"
-    assert "LoRA" in fused_decode_supported(engine.model)  # the Triton step would skip the adapters
-    assert fused_decode_supported(load_model(base, dtype=torch.float32, device="cpu")) is None
+    if fold:  # the weights hold base + adapters: the fused step (which reads `.weight` alone) may run
+        assert fused_decode_supported(engine.model) is None
+    else:  # the Triton step would skip the adapters
+        assert "LoRA" in fused_decode_supported(engine.model)
 
     prompt = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
     tokens, logprobs = _sample(engine, prompt)
@@ -163,9 +163,14 @@ def test_a_hand_off_moves_the_adapters_only(transport, model_dir, tokenizer, tmp
             assert engine.version == version
             for name, tensor in adapters.items():
                 assert torch.equal(targets[name], tensor), name
+        # the served weights are the base with the last adapters folded in from the kept base, as merge_lora
+        # folds them: no rounding carried over from the first policy
+        merged = dict(merge_lora(_adapted(base, seed=2)).named_parameters())
         for name, param in engine.model.named_parameters():
             if not is_adapter_name(name):
-                assert torch.equal(param, frozen[name]), name  # the base never moves
+                assert torch.equal(param, merged[name]), name
+        for name, module in lora_modules(engine.model):
+            assert torch.equal(module.folded_base, frozen[f"{name}.weight"]), name  # the kept base never moves
         prompt = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
         tokens, logprobs = _sample(engine, prompt)
         p = _trainer_logprobs(policies[-1], prompt, tokens)

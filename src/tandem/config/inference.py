@@ -36,7 +36,9 @@ class InferenceConfig(RunConfig):
     served_model_name: str = ""
     """Model id clients ask for and /v1/models lists (default: the model directory's name)."""
     lora_adapter: Path | None = None
-    """A PEFT LoRA adapter directory to serve on the base model (`model.name`), unmerged; with `model.lora` set too, its rank, alpha and targets must match (docs/lora.md)."""
+    """A PEFT LoRA adapter directory to serve on the base model (`model.name`); with `model.lora` set too, its rank, alpha and targets must match (docs/lora.md)."""
+    lora_fold: bool = True
+    """Serve LoRA adapters folded into the base weights (refolded from a kept copy of the base at each hand-off): decode at the base model's speed, through the fused kernels, for one more copy of the adapted weights in memory. false: apply them unmerged in every projection (no copy; slower decode)."""
     lora_name: str = ""
     """Model id the adapter is served under (default: served_model_name if set, else the adapter directory's name); the base alone is not served alongside it."""
     weights_dir: Path | None = None

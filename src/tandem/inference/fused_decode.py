@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tandem.models import CausalLM, DecoderBlock, KVCache
 from tandem.models.layers.mlp import GatedMLP
-from tandem.models.lora import lora_args
+from tandem.models.lora import lora_args, lora_folded
 
 # cuBLAS picks a far slower kernel for a one-row product on some shapes (Qwen3-0.6B's o_proj, 1024 x 2048, than
 # for eight rows; benchmarks/RESULTS.md), so the attention output feeding it has at least 8 rows.
@@ -35,8 +35,8 @@ def fused_decode_supported(model: CausalLM) -> str | None:
     args = model.args
     if args.is_hybrid:
         return "recurrent-state layers (a hybrid model: linear attention, Mamba): the kernels cover attention only"
-    if lora_args(model) is not None:
-        return "LoRA adapters: the fused kernels read each projection's `.weight` and would skip the adapters"
+    if lora_args(model) is not None and not lora_folded(model):
+        return "unfolded LoRA adapters (inference.lora_fold = false): the kernels read only each projection's `.weight`"
     if args.mla is not None:
         return "multi-head latent attention has its own cached path (no qkv_proj, no V cache)"
     if args.rotary_dim != args.head_dim:

@@ -26,8 +26,16 @@ from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
 from tandem.inference.serving_log import ServingSummary
 from tandem.inference.startup import Terminated, announce, check_context, stop_on_sigterm
-from tandem.models import build_model, load_model
-from tandem.models.lora import LoraArgs, LoraError, apply_lora, from_peft_state_dict, load_peft_adapter, read_adapter
+from tandem.models import CausalLM, build_model, load_model
+from tandem.models.lora import (
+    LoraArgs,
+    LoraError,
+    apply_lora,
+    fold_adapters,
+    from_peft_state_dict,
+    load_peft_adapter,
+    read_adapter,
+)
 from tandem.net import is_loopback
 from tandem.run import prepare_run_dir
 
@@ -137,6 +145,32 @@ def served_name(config: InferenceConfig, model_dir: Path) -> str:
     return config.lora_name or config.served_model_name or model_dir.resolve().name
 
 
+def load_served_model(
+    config: InferenceConfig, model_dir: Path, device: torch.device, lora: LoraArgs | None
+) -> CausalLM:
+    """The model the engine serves: the checkpoint at `model_dir`, with `lora` (from `lora_to_serve`) adapters
+    added, loaded from `inference.lora_adapter` if set, and folded into the weights unless `lora_fold` is off. A
+    hand-off then swaps only the adapters."""
+    model = load_model(
+        model_dir,
+        dtype=getattr(torch, config.model.dtype),
+        device=device,
+        attn_backend=config.model.attn_backend,
+        moe_backend=config.model.moe_backend,
+        freeze_router=config.model.freeze_router,
+    )
+    if lora is None:
+        return model
+    apply_lora(model, lora, seed=0)
+    if config.lora_adapter is not None:
+        load_peft_adapter(model, config.lora_adapter)
+    if config.lora_fold:
+        fold_adapters(model)
+    how = "folded into the weights" if config.lora_fold else "unmerged"
+    logger.info("LoRA adapters: rank %d on %s, %s", lora.rank, ", ".join(lora.target_modules), how)
+    return model
+
+
 def run(config: InferenceConfig) -> int:
     model_dir = _model_dir(config)
     admin_token = _admin_token(config)
@@ -151,19 +185,7 @@ def run(config: InferenceConfig) -> int:
     run_dir = prepare_run_dir(config)
     engine = None
     try:
-        model = load_model(
-            model_dir,
-            dtype=getattr(torch, config.model.dtype),
-            device=device,
-            attn_backend=config.model.attn_backend,
-            moe_backend=config.model.moe_backend,
-            freeze_router=config.model.freeze_router,
-        )
-        if lora is not None:  # unmerged: the forward keeps the LoraLinear wrappers, a hand-off swaps only adapters
-            apply_lora(model, lora, seed=0)
-            if config.lora_adapter is not None:
-                load_peft_adapter(model, config.lora_adapter)
-            logger.info("LoRA adapters: rank %d on %s", lora.rank, ", ".join(lora.target_modules))
+        model = load_served_model(config, model_dir, device, lora)
         tokenizer = _tokenizer(model_dir)
         engine = Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer))
         engine.start()

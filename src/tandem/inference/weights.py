@@ -14,7 +14,7 @@ A refusal is a `WeightsError`: a 400 naming the file, or a 403 for a path outsid
 
 A model served with LoRA adapters (`tandem.models.lora`, docs/lora.md) takes only adapters: its weights are the
 adapter tensors (`weight_targets`), a checkpoint is a PEFT adapter directory (`read_adapter_weights`) and the
-frozen base is never written.
+frozen base is never replaced (folded adapters, `inference.lora_fold`, are folded into it again from a kept copy).
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ from tandem.models.lora import (
     ADAPTER_CONFIG,
     LoraError,
     clean_name,
+    fold_adapters,
     from_peft_state_dict,
     is_adapter_name,
     lora_args,
+    lora_folded,
     read_adapter,
 )
 from tandem.transport.weights.control import check_same_model
@@ -215,5 +217,7 @@ def copy_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
     converting dtype, onto their device."""
     for name, param in weight_targets(model).items():
         param.copy_(tensors[name], non_blocking=True)
+    if lora_folded(model):  # the served weights are base + adapters: fold the new adapters in
+        fold_adapters(model)
     if model.lm_head_weight.is_cuda:
         torch.cuda.synchronize(model.lm_head_weight.device)

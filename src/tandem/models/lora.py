@@ -15,7 +15,7 @@ adapted; dense MLPs and shared experts are.
 
 Functions: `apply_lora`, `lora_args`, `lora_parameters`, `adapter_state_dict`, `is_adapter_name`, `peft_key`,
 `to_peft_state_dict`, `from_peft_state_dict`, `peft_config`, `save_adapter`, `write_adapter`, `read_adapter`,
-`load_peft_adapter`, `merge_lora`.
+`load_peft_adapter`, `merge_lora`, `fold_adapters` (serving: adapters folded into the weights, a base copy kept).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class LoraLinear(nn.Linear):
         self.names = tuple(name for name, _ in segments)
         self.targeted = tuple(i for i, name in enumerate(self.names) if name in args.target_modules)
         device = base.weight.device
+        self.folded_base: torch.Tensor | None = None
+        """The base weight, kept while the adapters are folded into `weight` for serving (`fold_adapters`)."""
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
         for i in self.targeted:
@@ -111,6 +113,8 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if self.folded_base is not None:  # `weight` already holds base + adapters
+            return y
         parts = list(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [y]
         scale = self.lora.scale
         for i in self.targeted:
@@ -125,6 +129,17 @@ class LoraLinear(nn.Linear):
         """`scale * B @ A` of projection `name`, fp32, `[rows of the segment, in_features]`."""
         a, b = self.lora_A[name].weight.float(), self.lora_B[name].weight.float()
         return (b @ a) * self.lora.scale
+
+    @torch.no_grad()
+    def fold_into_weight(self, base: torch.Tensor) -> None:
+        """`weight[segment] = base[segment] + scale * B @ A` for every adapted segment, summed in fp32 and rounded
+        once to the weight's dtype (`base` may be `weight` itself)."""
+        start = 0
+        for i, (proj, size) in enumerate(zip(self.names, self.sizes, strict=True)):
+            if i in self.targeted:
+                rows = base[start : start + size].float() + self.delta_weight(proj).to(base.device)
+                self.weight[start : start + size].copy_(rows)
+            start += size
 
     def extra_repr(self) -> str:
         adapted = [self.names[i] for i in self.targeted]
@@ -415,15 +430,28 @@ def merge_lora(model: nn.Module) -> nn.Module:
     the weight's dtype) and put plain `nn.Linear`s back, in place; returns the model, which then has no adapters."""
     for name, module in list(lora_modules(model)):
         weight = module.weight
-        start = 0
-        for i, (proj, size) in enumerate(zip(module.names, module.sizes, strict=True)):
-            if i in module.targeted:
-                rows = weight[start : start + size]
-                rows.copy_((rows.float() + module.delta_weight(proj).to(rows.device)).to(weight.dtype))
-            start += size
+        module.fold_into_weight(weight if module.folded_base is None else module.folded_base)
         plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
         plain.weight = weight
         plain.register_parameter("bias", module.bias)
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, plain)
     return model
+
+
+@torch.no_grad()
+def fold_adapters(model: nn.Module) -> None:
+    """Serve the adapters folded: each adapted weight becomes `base + scale * B @ A` (from a copy of the base kept
+    on the module the first time), and the forward is the plain projection again, so decode runs at the base
+    model's speed and through kernels that read `.weight` alone. Call it again after the adapters change (a
+    hand-off): every fold starts from the kept base, so rounding never accumulates. Costs one more copy of the
+    adapted weights in memory; the weights keep their storage (CUDA graphs stay valid)."""
+    for _, module in lora_modules(model):
+        if module.folded_base is None:
+            module.folded_base = module.weight.detach().clone()
+        module.fold_into_weight(module.folded_base)
+
+
+def lora_folded(model: nn.Module) -> bool:
+    """Whether the model serves folded adapters (`fold_adapters`), which must be folded again after a change."""
+    return any(module.folded_base is not None for _, module in lora_modules(model))
