@@ -4,6 +4,7 @@ trainer/inference mismatch, on a reward that moves within a few steps.
     python benchmarks/ipo_study.py --smoke                      # CPU, two tiny runs: does everything run?
     python benchmarks/ipo_study.py --out-dir docs/ipo           # CPU, the small grid (~17 minutes on 2 cores)
     python benchmarks/ipo_study.py --async-levels 8 --steps 40 --out-dir docs/ipo/async8-40   # lag 8, longer
+    python benchmarks/ipo_study.py --replot docs/ipo/gpu/results.json   # plots + table of a grid run elsewhere
 
 Every run is the real `tandem rl` (three processes): a tiny random Qwen3-shaped model (`tandem.testing.tiny`),
 the `tandem.testing.toy_envs:LetterE` reward (the fraction of 'e' in the reply, which such a model raises from
@@ -120,7 +121,9 @@ def run_one(run: Run, args: argparse.Namespace, model_dir: Path, work: Path) -> 
     if done.returncode:
         result.error = f"exit {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-3:])[-400:]
     run_dir = work / run.name
-    rewards = {r["step"]: r["reward"] for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"}
+    rewards = {
+        r["step"]: r["reward"] for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"
+    }
     for record in records(run_dir / "metrics.jsonl"):
         step = record["step"]
         result.steps.append(step)
@@ -156,6 +159,7 @@ def plot(results: list[Result], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     panels = sorted({(r.run.async_level, r.run.mismatch) for r in results})
     for name, series, ylabel, log in [
         ("reward", lambda r: r.reward, "batch reward", False),
@@ -191,10 +195,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, help="write results.json and the plots here")
     parser.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="only redraw the plots and table of a grid run elsewhere (into --out-dir)",
+    )
     args = parser.parse_args()
+    if args.replot:
+        results = [Result(**{**r, "run": Run(**r["run"])}) for r in json.loads(args.replot.read_text())]
+        plot(results, args.out_dir or args.replot.parent)
+        print(table(results))
+        return
     if args.smoke:
         args.losses, args.async_levels, args.mismatch, args.steps = ["ipo-0.3", "icepop"], [1], ["bf16"], 3
-    runs = [Run(loss, level, mismatch) for mismatch in args.mismatch for level in args.async_levels for loss in args.losses]
+    runs = [
+        Run(loss, level, mismatch) for mismatch in args.mismatch for level in args.async_levels for loss in args.losses
+    ]
     with tempfile.TemporaryDirectory(prefix="ipo-study-") as tmp:
         work = args.work_dir or Path(tmp)
         heads = max(4, args.hidden // 64)
@@ -207,9 +224,10 @@ def main() -> None:
             results.append(result)
             status = "FAILED " + result.error if result.error else f"reward {result.first:.3f} -> {result.final:.3f}"
             print(f"[{index}/{len(runs)}] {run.name}: {status} ({result.seconds:.0f} s)", flush=True)
+            if args.out_dir:  # after every run: a grid stopped part-way keeps what it measured
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                (args.out_dir / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     if args.out_dir:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
         plot(results, args.out_dir)
     print()
     print(table(results))

@@ -75,6 +75,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         "orchestrator.micro_batch_rows": 4,
     },
 }
+# LoRA rank 16 on every attention and MLP projection: the base frozen in bf16, adapter-only hand-off.
+LORA = {"model.lora.rank": 16, "model.lora.alpha": 32}
+RECIPES |= {"lora": LORA, "max-perf-lora": {**RECIPES["max-perf"], **LORA}}
 # Settings of every RL run that the benchmark needs: fixed-length rollouts, batches kept for the baselines.
 ALWAYS = {"orchestrator.keep_batches": True, "trainer.speed.save_final": False}
 LOG_FILES_SHOWN = 40  # lines of each process's log printed when a run fails
@@ -725,7 +728,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         setting = Setting(4, 2, 8, 256, 1, 1, "float32", None, args.transport, 1, 16, True)
-        models, recipes = ["tiny"], ["default"]
+        models, recipes = ["tiny"], ["default", "lora"]
     else:
         import torch
 

@@ -208,6 +208,7 @@ def plan(smoke: bool) -> list[Run]:
         ("dense", "-two-loss-chunks", ["--loss-chunk-size", "8192"]),
         ("dense", "-scheduled-gc", ["--gc-interval", "0"]),
         ("dense", "-compile", ["--no-compile"]),
+        ("dense", "-lora", ["--model.lora.rank", "16", "--model.lora.alpha", "32"]),
         ("moe", "-with-fsdp", ["--speed.fsdp-single-process"]),
         ("moe", "-fused-loss", ["--speed.no-fused-loss"]),
         ("moe", "-loop-experts", ["--model.moe-backend", "loop", "--no-fullgraph"]),
