@@ -69,6 +69,8 @@ class Result:
     mismatch_kl: list[float | None] = field(default_factory=list)
     off_policy_kl: list[float] = field(default_factory=list)
     error: str = ""
+    no_signal: bool = False
+    """Stopped by the orchestrator's NoLearningSignal: every group sampled one answer (entropy ~0)."""
     seconds: float = 0.0
 
     @property
@@ -86,9 +88,10 @@ class Result:
 
     @property
     def collapsed(self) -> bool:
-        """Diverged, or lost three quarters of what it had gained by its best 3-step window."""
+        """Diverged, collapsed to one answer (the orchestrator's NoLearningSignal error), or lost three quarters of what
+        it had gained by its best 3-step window."""
         if self.error:
-            return "diverged" in self.error or "NaN" in self.error
+            return self.no_signal or "diverged" in self.error or "NaN" in self.error
         gain = self.peak - self.first
         return gain > 0.05 and self.final < self.first + 0.25 * gain
 
@@ -121,6 +124,9 @@ def run_one(run: Run, args: argparse.Namespace, model_dir: Path, work: Path) -> 
     if done.returncode:
         result.error = f"exit {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-3:])[-400:]
     run_dir = work / run.name
+    if done.returncode:
+        logs = [path.read_text(errors="replace") for path in (run_dir / "logs").glob("*.log")]
+        result.no_signal = any("collapsed to one answer" in log for log in logs)
     rewards = {
         r["step"]: r["reward"] for r in records(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"
     }

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from support.orchestrator import FakeAdmin, make_config, run_orchestrator
+from tandem.orchestrator.main import NoLearningSignal
 from tandem.orchestrator.pool import Completion
 from tandem.transport.batches import read_batch
 from tandem.transport.policies import policy_dir
@@ -108,3 +109,24 @@ def test_pruning_keeps_batches_when_asked(tiny_model_dir, tmp_path):
     config = make_config(tmp_path, tiny_model_dir("qwen3"), async_level=0, max_steps=3, keep_batches=True)
     run_orchestrator(config, FakePool(None))
     assert len(list((config.run_dir / "batches").glob("step-*.safetensors"))) == 3
+
+
+class CollapsingPool(FakePool):
+    """FakePool until group `collapse_at`, then one answer for every sample: a policy collapsed to one reply."""
+
+    collapse_at = 6
+
+    async def generate(self, prompt_ids, sampling, n, seed):
+        completions = await super().generate(prompt_ids, sampling, n, seed)
+        return completions if self.groups <= self.collapse_at else [completions[-1]] * n
+
+
+def test_a_collapsed_policy_stops_the_run_instead_of_sampling_forever(tiny_model_dir, tmp_path):
+    """Every group filtered for equal rewards, batch after batch: a clear error once NO_SIGNAL_BATCHES batches'
+    worth of groups in a row had no signal (here 20 x 2), not a wait for batch_timeout_s."""
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), keep_batches=True, max_steps=8)
+    pool = CollapsingPool(None)
+    with pytest.raises(NoLearningSignal, match=r"last 40 groups .*filter_zero_advantage = false"):
+        run_orchestrator(config, pool)
+    assert (config.run_dir / "batches" / "step-000001.safetensors").exists()  # what had signal was trained
+    assert pool.groups < 100  # stopped at the streak, not after drawing on

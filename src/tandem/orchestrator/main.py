@@ -37,7 +37,7 @@ from tandem.orchestrator.episodes import ChatSuffixes, TemplateSuffixError, Toke
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Draw, DrawLedger, TaskSampler, TrainSource, load_sources
-from tandem.run import prepare_run_dir
+from tandem.run import RunError, prepare_run_dir
 from tandem.transport.batches import batch_path, write_batch
 from tandem.transport.policies import prune_policies
 from tandem.transport.weights import PolicyFollower, make_follower
@@ -74,6 +74,15 @@ class Group:
         return min((min(c.versions) for c in self.completions if c.versions), default=0)
 
 
+NO_SIGNAL_BATCHES = 20
+"""Stop when this many batches' worth of groups in a row scored the same within every group (filtered out): the
+policy has collapsed (it samples one answer) or the reward never varies, and sampling more will not fill a batch."""
+
+
+class NoLearningSignal(RunError):
+    """Every recent group was filtered out for equal rewards; the message says what to check."""
+
+
 @dataclass
 class StepStats:
     dropped: Counter = field(default_factory=Counter)
@@ -92,6 +101,7 @@ class Orchestrator:
         self.filling = 1  # the batch being assembled
         self._batches_pruned = 0  # batch files up to this step are deleted
         self.stats = StepStats()
+        self.equal_streak = 0  # groups filtered for equal rewards since the last group kept
         self._suffixes: dict[str, ChatSuffixes] = {}
 
     # -- producing groups -------------------------------------------------------------------------
@@ -235,7 +245,16 @@ class Orchestrator:
             return False
         if self.config.filter_zero_advantage and max(group.rewards) == min(group.rewards):
             self.stats.dropped["zero_advantage"] += 1
+            self.equal_streak += 1
+            if self.equal_streak >= NO_SIGNAL_BATCHES * self.per_batch:
+                raise NoLearningSignal(
+                    f"batch {step}: the last {self.equal_streak} groups each scored the same for every rollout "
+                    f"(last reward {group.rewards[0]:g}) and were filtered out: the policy has collapsed to one "
+                    "answer or the reward never varies on these tasks. Check the samples (rollouts.jsonl), lower "
+                    "the learning rate, or set orchestrator.filter_zero_advantage = false to train on them anyway"
+                )
             return False
+        self.equal_streak = 0
         return True
 
     async def _collect(self, step: int) -> list[Group]:
