@@ -27,6 +27,11 @@ class HFLayout:
     prefix: str = "model."  # before `layers.{i}.`, the embedding and the final norm (Nemotron-H: `backbone.`)
     embed_tokens: str = "embed_tokens"  # the embedding's name under `prefix` (Nemotron-H: `embeddings`)
     final_norm: str = "norm"  # the final norm's name under `prefix` (Nemotron-H: `norm_f`)
+    load_renames: tuple[tuple[str, str], ...] = ()
+    """(stored prefix, prefix read as) pairs for checkpoints of a wider model whose text decoder this is (Qwen3.5's
+    multimodal checkpoints: `model.language_model.` read as `model.`); saving writes the plain names."""
+    load_skips: tuple[str, ...] = ()
+    """Prefixes of stored tensors tandem does not run and skips on load (a vision tower: `model.visual.`)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,7 +107,7 @@ def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
         if args.layer_type(i) == "linear_attention":
-            attention = _linear_attention_weights()
+            attention = _linear_attention_weights(args)
         else:
             attention = _mla_weights(args) if args.mla is not None else _gqa_weights(args)
         if args.moe is not None and args.is_moe_layer(i):
@@ -166,10 +166,23 @@ def _strip(fused: Fused, prefix: str) -> Fused:
     return dataclasses.replace(fused, parts=tuple(tuple(k.removeprefix(prefix) for k in g) for g in fused.parts))
 
 
-def _linear_attention_weights() -> dict[str, Fused]:
-    """Within a layer: the Gated DeltaNet's tensors, HF's names and layouts unchanged."""
-    names = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight")
-    return {f"linear_attn.{n}": _plain(f"linear_attn.{n}") for n in (*names, "out_proj.weight")}
+def _linear_attention_weights(args: ModelArgs) -> dict[str, Fused]:
+    """Within a layer: the Gated DeltaNet's tensors under HF's names; Qwen3.5's separate input projections are
+    concatenated into the runtime's `in_proj_qkvz` and `in_proj_ba` (`LinearAttnArgs.flat_projections`)."""
+    la = args.linear
+    assert la is not None
+    names = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+    out = {f"linear_attn.{n}": _plain(f"linear_attn.{n}") for n in names}
+    if not la.flat_projections:
+        return out | {
+            f"linear_attn.{n}": _plain(f"linear_attn.{n}") for n in ("in_proj_qkvz.weight", "in_proj_ba.weight")
+        }
+    value_dim = la.num_v_heads * la.v_head_dim
+    qkvz = tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z"))
+    ba = tuple(f"linear_attn.in_proj_{p}.weight" for p in "ba")
+    out["linear_attn.in_proj_qkvz.weight"] = Fused((qkvz,), (la.conv_dim, value_dim))
+    out["linear_attn.in_proj_ba.weight"] = Fused((ba,), (la.num_v_heads, la.num_v_heads))
+    return out
 
 
 def _mla_weights(args: ModelArgs) -> dict[str, Fused]:
@@ -331,14 +344,27 @@ def iter_runtime_tensors(
     path = Path(path)
     reader = _Reader(path, confined)
     layout = _layout(args)
-    stacked = any(k.endswith(layout.stacked_gate_up) for k in reader.files)
+    stored = _stored_keys(reader.files, layout)
+    stacked = any(k.endswith(layout.stacked_gate_up) for k in stored)
     wanted = weight_map(args, layout, stacked_experts=stacked)
-    _check_keys(set(reader.files), wanted, args, path)
+    _check_keys(set(stored), wanted, args, path)
     for name, fused in wanted.items():
         groups = [
-            reader.get(keys[0]) if len(keys) == 1 else torch.cat([reader.get(k) for k in keys]) for keys in fused.parts
+            reader.get(stored[keys[0]]) if len(keys) == 1 else torch.cat([reader.get(stored[k]) for k in keys])
+            for keys in fused.parts
         ]
         yield name, torch.stack(groups) if fused.stacked else groups[0]
+
+
+def _stored_keys(keys: Iterable[str], layout: HFLayout) -> dict[str, str]:
+    """HF key as `weight_map` names it -> the key on disk: `layout.load_renames` applied, `load_skips` left out."""
+    out = {}
+    for key in keys:
+        if layout.load_skips and key.startswith(layout.load_skips):
+            continue
+        name = next((new + key[len(old) :] for old, new in layout.load_renames if key.startswith(old)), key)
+        out[name] = key
+    return out
 
 
 def load_weights(

@@ -166,6 +166,10 @@ class LinearAttnArgs:
     v_head_dim: int
     conv_kernel: int
     chunk_size: int = 64
+    flat_projections: bool = False
+    """Qwen3.5: checkpoints hold `in_proj_qkv` (q, k, v of all heads in turn), `in_proj_z`, `in_proj_b` and
+    `in_proj_a`, which the runtime's `in_proj_qkvz` / `in_proj_ba` concatenate in that order; Qwen3-Next's fused
+    `in_proj_qkvz` / `in_proj_ba` group them per key head instead."""
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import deepseek_v3, deepseek_v32, glm4_moe, llama, nemotron_h, qwen3, qwen3_moe, qwen3_next
+from . import deepseek_v3, deepseek_v32, glm4_moe, llama, nemotron_h, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from .architecture import Architecture
 from .config import ModelConfigError
 
@@ -19,6 +19,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         deepseek_v32.ARCHITECTURE,
         glm4_moe.ARCHITECTURE,
         qwen3_next.ARCHITECTURE,
+        qwen3_5.ARCHITECTURE,
+        qwen3_5.MULTIMODAL_ARCHITECTURE,
         nemotron_h.ARCHITECTURE,
     )
 }

@@ -2,7 +2,8 @@
 
 Per token: `in_proj_qkvz` gives q, k (`num_k_heads` x `k_head_dim`), v and the output gate z (`num_v_heads` x
 `v_head_dim`), laid out per key head as HF stores them (`[q, k, v-group, z-group]` per key head); `in_proj_ba` gives
-b and a per value head (`[b-group, a-group]` per key head). q, k, v go through a causal depthwise conv
+b and a per value head (`[b-group, a-group]` per key head). Qwen3.5 (`flat_projections`) stores them as separate
+projections, which the runtime concatenates as `[q, k, v, z]` and `[b, a]`, each of all heads in turn. q, k, v go through a causal depthwise conv
 (`conv_kernel` taps, SiLU); q and k are L2-normalised (fp32), q scaled by `k_head_dim ** -0.5`, and each key
 head serves `num_v_heads / num_k_heads` consecutive value heads. The memory `S` `[k_head_dim, v_head_dim]` per
 value head follows the gated delta rule with `beta = sigmoid(b)`, `g = -exp(A_log) * softplus(a + dt_bias)`:
@@ -178,6 +179,7 @@ class GatedDeltaNet(nn.Module):
         la = args.linear
         assert la is not None
         self.layer_idx, self.chunk_size = layer_idx, la.chunk_size
+        self.flat_projections, self.conv_dim = la.flat_projections, la.conv_dim
         self.num_k_heads, self.num_v_heads = la.num_k_heads, la.num_v_heads
         self.k_head_dim, self.v_head_dim = la.k_head_dim, la.v_head_dim
         key_dim, value_dim = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
@@ -199,6 +201,10 @@ class GatedDeltaNet(nn.Module):
         """Conv input `[..., conv_dim]` (q, k, v flattened), z `[..., Hv, dv]`, b and a `[..., Hv]`."""
         group = self.num_v_heads // self.num_k_heads
         dk, dv = self.k_head_dim, self.v_head_dim
+        if self.flat_projections:  # Qwen3.5: [q, k, v, z] and [b, a], each of all heads in turn
+            mixed, z = self.in_proj_qkvz(x).split((self.conv_dim, self.num_v_heads * dv), dim=-1)
+            b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+            return mixed, z.unflatten(-1, (self.num_v_heads, dv)), b, a
         qkvz = self.in_proj_qkvz(x).unflatten(-1, (self.num_k_heads, -1))
         q, k, v, z = qkvz.split((dk, dk, group * dv, group * dv), dim=-1)
         b, a = self.in_proj_ba(x).unflatten(-1, (self.num_k_heads, -1)).split((group, group), dim=-1)
