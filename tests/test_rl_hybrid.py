@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.hybrid_models import write_servable_qwen3_next
+from support.hybrid_models import write_servable_hybrid
 from support.jsonl import read_jsonl, read_metrics
 from support.model_parity import disk_tensors
 from support.runs import tandem_rl
@@ -15,7 +15,7 @@ from support.runs import tandem_rl
 
 @pytest.mark.slow
 def test_two_rl_steps_train_qwen3_next(tmp_path):
-    model_dir = write_servable_qwen3_next(tmp_path / "model")
+    model_dir = write_servable_hybrid(tmp_path / "model")
     sources = tmp_path / "sources.toml"
     sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\nsampling = { max_tokens = 16 }\n')
     tandem_rl(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.hybrid_models import QWEN3_NEXT, write_servable_qwen3_next
+from support.hybrid_models import QWEN3_5, QWEN3_NEXT, write_servable_hybrid
 from support.inference import engine_config
 from support.model_parity import hf_load
 from support.polling import wait_until
@@ -29,7 +29,7 @@ PAGED = {"block_size": 4, "kv_cache_blocks": 40, "max_prefill_tokens": 16, "max_
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
-    return write_servable_qwen3_next(tmp_path_factory.mktemp("qwen3_next"))
+    return write_servable_hybrid(tmp_path_factory.mktemp("qwen3_next"))
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,17 @@ def test_greedy_generation_matches_transformers(cache, preempts, hybrid_dir, hf_
         assert sample.token_ids == _hf_greedy(hf_model, prompt, 24)
     wait_until(lambda: engine.gauges.kv_blocks_used == 0, message="all blocks free")
     assert engine.scheduler.num_free_slots == cache["max_running"]
+
+
+def test_qwen3_5_greedy_generation_matches_transformers(tmp_path, make_engine):
+    """Qwen3.5's separately stored projections, served: the same engine path, its own weights."""
+    path = write_servable_hybrid(tmp_path / "qwen3_5", QWEN3_5)
+    engine = make_engine(path=path, **PAGED)
+    prompts = _prompts(4, engine.vocab_size, (3, 40), seed=1)
+    ours = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    hf = hf_load(path)
+    for prompt, (sample,) in zip(prompts, ours, strict=True):
+        assert sample.token_ids == _hf_greedy(hf, prompt, 16)
 
 
 def test_greedy_forks_continue_from_the_prompt_state(hybrid_dir, hf_model, make_engine):

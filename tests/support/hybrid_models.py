@@ -40,12 +40,25 @@ QWEN3_NEXT = {
 """Tiny Qwen3-Next (as tests/models/test_qwen3_next.py): layers linear, full, linear, full; 2 key heads serving 6
 value heads (k dim 10, v dim 14); GQA 6/2, head dim 12, partial rotary."""
 
+QWEN3_5 = {
+    **{
+        k: v
+        for k, v in QWEN3_NEXT.items()
+        if "expert" not in k and k not in ("moe_intermediate_size", "norm_topk_prob", "mlp_only_layers")
+    },
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+}
+"""Tiny Qwen3.5 text model: QWEN3_NEXT's layers and heads with a dense MLP (the Gated DeltaNet's projections are
+stored apart)."""
+
 PERTURB = ("layernorm.weight", "norm.weight", "dt_bias", "A_log")
 """Zero-centred norms start at 0 and dt_bias at 1 in transformers: randomised so that parity covers them."""
 
 
-def write_servable_qwen3_next(path: Path, seed: int = 0) -> Path:
-    """`support.model_parity.write_servable_model` for QWEN3_NEXT, its zero-initialised norms and gates perturbed."""
+def write_servable_hybrid(path: Path, config: dict = QWEN3_NEXT, seed: int = 0) -> Path:
+    """`support.model_parity.write_servable_model` for a hybrid config (QWEN3_NEXT, QWEN3_5), its zero-initialised
+    norms and gates perturbed."""
     vocab = write_tokenizer(path)
     special = {"bos_token_id": None, "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"), "pad_token_id": 0}
-    return write_hf_model(path, {**QWEN3_NEXT, "vocab_size": vocab, **special}, seed, perturb=PERTURB)
+    return write_hf_model(path, {**config, "vocab_size": vocab, **special}, seed, perturb=PERTURB)
