@@ -17,10 +17,10 @@ from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.kept_ids import decode_kept_matrix
-from tandem.inference.kv_budget import state_bytes
+from tandem.inference.kv_budget import block_bytes, state_bytes
 from tandem.inference.main import eos_token_ids
 from tandem.inference.protocol import SamplingParams
-from tandem.models import IGNORE_INDEX, StateCache, load_model, model_args
+from tandem.models import IGNORE_INDEX, KVCache, StateCache, load_model, model_args
 
 PAGED = {"block_size": 4, "kv_cache_blocks": 40, "max_prefill_tokens": 16, "max_running": 4}
 """Blocks of 4 tokens, room for about two of these sequences at once, prompts prefilled 16 tokens a step, at most
@@ -141,6 +141,12 @@ def test_state_is_counted_and_the_fused_step_is_refused(hybrid_dir, make_engine)
     assert state.recurrent[0].dtype == torch.float32 and state.conv[0].dtype == torch.bfloat16
     held = sum(t.numel() * t.element_size() for store in (state.conv, state.recurrent) for t in store.values())
     assert state_bytes(args, 5, torch.bfloat16) == held > 0
+    # K/V only for the attention layers (1 and 3): a block costs half of what four caching layers would
+    cache = KVCache.for_model(args, num_blocks=6, block_size=4)
+    assert cache.layers == args.kv_layers == (1, 3)
+    assert [t.numel() > 0 for t in cache.k] == [t.numel() > 0 for t in cache.v] == [False, True, False, True]
+    kv_per_token = 2 * args.num_kv_heads * args.head_dim * 4  # K and V, fp32
+    assert block_bytes(args, 4, torch.float32) == 2 * 4 * kv_per_token
     assert "hybrid" in (fused_decode_supported(load_model(hybrid_dir)) or "")
     with pytest.raises(ValueError, match=r"decode_kernels = triton: recurrent-state layers \(a hybrid model"):
         make_engine(path=hybrid_dir, decode_kernels="triton")

@@ -17,9 +17,10 @@ ACTIVATION_RESERVE_BYTES = 2**30
 
 
 def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: what every layer caches per token (K and V, or MLA's latent) times the block size."""
+    """Bytes of one block: what every attention layer caches per token (K and V, or MLA's latent) times the block
+    size; a hybrid's recurrent layers cache none (`ModelArgs.kv_layers`)."""
     heads, key_dim, value_dim = args.kv_cache_shape
-    return args.num_layers * block_size * heads * (key_dim + value_dim) * dtype.itemsize
+    return len(args.kv_layers) * block_size * heads * (key_dim + value_dim) * dtype.itemsize
 
 
 def state_bytes(args: ModelArgs, num_slots: int, dtype: torch.dtype) -> int:

@@ -346,5 +346,4 @@ class Runner:
             return
         source = torch.tensor([s for s, _ in copies], device=self.device)
         target = torch.tensor([t for _, t in copies], device=self.device)
-        for layer in self.cache.k + self.cache.v:
-            layer.index_copy_(0, target, layer[source])
+        self.cache.copy_blocks(source, target)

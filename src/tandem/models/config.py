@@ -275,6 +275,11 @@ class ModelArgs:
         return self.layer_types[layer] if self.layer_types else "full_attention"
 
     @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V in the paged cache: the `full_attention` ones."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")
+
+    @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state (`layers.state_cache.StateCache`) instead of K/V."""
         return any(t in STATEFUL_LAYER_TYPES for t in self.layer_types)

@@ -50,14 +50,22 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         value_dim: int | None = None,
+        cached_layers: Sequence[int] | None = None,
     ) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         shape = (num_blocks, block_size, num_kv_heads)
-        self.k = [torch.zeros(*shape, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [
-            torch.zeros(*shape, value_dim, dtype=dtype, device=device) for _ in range(num_layers if value_dim else 0)
-        ]
+        self.layers = tuple(range(num_layers) if cached_layers is None else cached_layers)
+        """The layers that cache K/V; the others (a hybrid's recurrent layers) hold an empty placeholder."""
+
+        def storage(dim: int, layer: int) -> torch.Tensor:
+            if layer in self.layers:
+                return torch.zeros(*shape, dim, dtype=dtype, device=device)
+            return torch.empty(0, dtype=dtype, device=device)
+
+        self.k = [storage(head_dim, i) for i in range(num_layers)]
+        self.v = [storage(value_dim, i) for i in range(num_layers)] if value_dim else []
         self.num_blocks, self.block_size = num_blocks, block_size
+        self._device = torch.device(device)
 
     @classmethod
     def for_model(
@@ -68,13 +76,23 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        """The cache a model of `args` reads and writes (`ModelArgs.kv_cache_shape`: GQA heads, or MLA's latent)."""
+        """The cache a model of `args` reads and writes (`ModelArgs.kv_cache_shape`: GQA heads, or MLA's latent), for
+        its attention layers only (`ModelArgs.kv_layers`: a hybrid's recurrent layers keep a `StateCache` instead)."""
         heads, key_dim, value_dim = args.kv_cache_shape
-        return cls(args.num_layers, num_blocks, block_size, heads, key_dim, dtype, device, value_dim=value_dim)
+        return cls(
+            args.num_layers, num_blocks, block_size, heads, key_dim, dtype, device,
+            value_dim=value_dim, cached_layers=args.kv_layers,
+        )  # fmt: skip
 
     @property
     def device(self) -> torch.device:
-        return self.k[0].device
+        return self._device
+
+    def copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy whole blocks `source[i]` -> `target[i]` in every caching layer (a fork's partly filled last block)."""
+        for layer in self.layers:
+            for store in (self.k, self.v) if self.v else (self.k,):
+                store[layer].index_copy_(0, target, store[layer][source])
 
     def write(self, layer: int, batch: CacheBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' k, v `[T, Hkv, D]` at their cache rows."""
