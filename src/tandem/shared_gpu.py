@@ -245,7 +245,7 @@ def server_need(config: RlConfig) -> ServerNeed:
     args = model_args(Path(inference.model.name))
     dtype = DTYPES[inference.model.dtype]
     counts = parameter_counts(args, inference.model.lora)
-    folded_copy = counts.adapted * dtype.itemsize if inference.lora_fold else 0
+    folded_copy = counts.adapted * dtype.itemsize if inference.folds_lora else 0
     return ServerNeed(
         context=CUDA_CONTEXT_BYTES,
         weights=counts.base * dtype.itemsize + 4 * counts.adapters + folded_copy,

@@ -14,7 +14,8 @@ from support.polling import wait_until
 from tandem.config import ConfigError
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
-from tandem.inference.main import eos_token_ids, load_served_model, lora_to_serve, served_name
+from tandem.inference.limits import RequestRefused
+from tandem.inference.main import eos_token_ids, load_served_model, lora_to_serve, served_names
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.weights import weight_targets
 from tandem.models import load_model
@@ -84,9 +85,10 @@ def test_the_engine_samples_an_adapter_as_the_trainer_scores_it(fold, model_dir,
     trained = _adapted(base, seed=1)
     adapter = save_adapter(trained, tmp_path / "my-adapter", base_model_name=str(base))
     engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter, lora_fold=fold))
-    config = engine_config(base, lora_adapter=adapter)
-    assert served_name(config, base) == "my-adapter"
-    assert served_name(engine_config(base, lora_adapter=adapter, lora_name="reverser"), base) == "reverser"
+    folded = {"lora_adapter": adapter, "lora_fold": True}
+    assert served_names(engine_config(base, **folded), base) == ("my-adapter", None)
+    assert served_names(engine_config(base, **folded, lora_name="reverser"), base) == ("reverser", None)
+    assert served_names(engine_config(base, **folded, served_model_name="mine"), base) == ("mine", None)
     if fold:  # the weights hold base + adapters: the fused step (which reads `.weight` alone) may run
         assert fused_decode_supported(engine.model) is None
     else:  # the Triton step would skip the adapters
@@ -188,4 +190,68 @@ def test_a_hand_off_moves_the_adapters_only(transport, model_dir, tokenizer, tmp
     finally:
         if sender is not None:
             sender.close()
+        server.stop()
+
+
+def test_base_and_adapter_are_served_side_by_side(model_dir, tokenizer, tmp_path, engines):
+    """An adapter directory is served unfolded (auto), beside the base model: one batch mixes requests of both,
+    each scored as the trainer scores its own model, and the two names are the ones the API serves."""
+    base = model_dir()
+    trained = _adapted(base, seed=1)
+    adapter = save_adapter(trained, tmp_path / "my-adapter", base_model_name=str(base))
+    engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter))
+    assert engine.runner.adapter_gates is not None
+    assert served_names(engine_config(base, lora_adapter=adapter), base) == ("my-adapter", base.resolve().name)
+    with pytest.raises(ConfigError, match="both be served as `same`"):
+        served_names(engine_config(base, lora_adapter=adapter, lora_name="same", served_model_name="same"), base)
+
+    first, second = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("the quick brown", "over the"))
+    prompts, adapters = [first, first, second, second], [True, False, False, True]
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=5)
+    samples = engine.generate(prompts, params, adapters=adapters)
+    plain = load_model(base, dtype=torch.float32, device="cpu")
+    for prompt, adapted, (sample,) in zip(prompts, adapters, samples, strict=True):
+        p = _trainer_logprobs(trained if adapted else plain, prompt, sample.token_ids)
+        other = _trainer_logprobs(plain if adapted else trained, prompt, sample.token_ids)
+        q = torch.tensor(sample.logprobs, dtype=torch.float64)
+        assert (p - q).abs().max() < 1e-5 and (other - q).abs().max() > 1e-3, (adapted, (p - q).abs().max())
+
+
+def test_a_folded_server_refuses_the_base(model_dir, tokenizer, tmp_path, engines):
+    base = model_dir()
+    adapter = save_adapter(_adapted(base, seed=1), tmp_path / "my-adapter", base_model_name=str(base))
+    engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter, lora_fold=True))
+    assert engine.runner.adapter_gates is None
+    with pytest.raises(RequestRefused, match="cannot serve the base"):
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=2), lambda update: None, adapter=False)
+
+
+
+def test_the_openai_api_serves_base_and_adapter_by_name(model_dir, tokenizer, tmp_path, engines):
+    import openai
+
+    base = model_dir()
+    trained = _adapted(base, seed=1)
+    adapter = save_adapter(trained, tmp_path / "my-adapter", base_model_name=str(base))
+    engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter))
+    server = ServerThread(engine, tokenizer, tmp_path, base_name="base")  # served as "tiny" (the adapter) and "base"
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        assert sorted(m.id for m in client.models.list()) == ["base", "tiny"]
+        prompt = "the quick brown fox"
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        plain = load_model(base, dtype=torch.float32, device="cpu")
+        bests = []
+        for name, model in (("tiny", trained), ("base", plain)):
+            reply = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+            assert reply.model == name
+            with torch.no_grad():
+                best = model(torch.tensor([ids]))[0, -1].log_softmax(-1).max().item()
+            # greedy: the first token is the argmax of that name's own model, at its logprob
+            assert reply.choices[0].logprobs.token_logprobs[0] == pytest.approx(best, abs=1e-4)
+            bests.append(best)
+        assert abs(bests[0] - bests[1]) > 1e-2  # the two names run different models
+        with pytest.raises(openai.NotFoundError, match="serves `tiny`, `base`"):
+            client.completions.create(model="other", prompt=prompt, max_tokens=1)
+    finally:
         server.stop()

@@ -37,10 +37,10 @@ class InferenceConfig(RunConfig):
     """Model id clients ask for and /v1/models lists (default: the model directory's name)."""
     lora_adapter: Path | None = None
     """A PEFT LoRA adapter directory to serve on the base model (`model.name`); with `model.lora` set too, its rank, alpha and targets must match (docs/lora.md)."""
-    lora_fold: bool = True
-    """Serve LoRA adapters folded into the base weights (refolded from a kept copy of the base at each hand-off): decode at the base model's speed, through the fused kernels, for one more copy of the adapted weights in memory. false: apply them unmerged in every projection (no copy; slower decode)."""
+    lora_fold: bool | None = None
+    """Fold LoRA adapters into the served weights (refolded from a kept copy of the base at each hand-off): decode at the base model's speed, through the fused kernels, for one more copy of the adapted weights in memory. false: apply them unfolded in every projection (no copy; slower decode), which lets the base model be served beside an adapter directory under its own name. Unset (auto): fold the adapters `tandem rl` trains, serve an adapter directory unfolded beside the base."""
     lora_name: str = ""
-    """Model id the adapter is served under (default: served_model_name if set, else the adapter directory's name); the base alone is not served alongside it."""
+    """Model id the adapter is served under (default: the adapter directory's name; folded, served_model_name if set). Unfolded, the base model is served beside it as served_model_name (default: the model directory's name)."""
     weights_dir: Path | None = None
     """Directory /update_weights may load checkpoints from, subfolders included (default: output_dir)."""
     device: str = "auto"
@@ -67,6 +67,13 @@ class InferenceConfig(RunConfig):
     """torch.compile the module-by-module decode step (decode_kernels = torch); adds compile time at start-up."""
     max_logprobs: int = Field(20, ge=0)
     """Largest top_logprobs / logprobs a request may ask for."""
+
+    @property
+    def folds_lora(self) -> bool:
+        """Whether LoRA adapters are folded into the served weights: `lora_fold` if set, else (auto) the adapters
+        of `tandem rl` (`model.lora` alone) are, and an adapter directory (`lora_adapter`) is served unfolded,
+        beside the base model."""
+        return self.lora_fold if self.lora_fold is not None else self.lora_adapter is None
 
     @model_validator(mode="after")
     def _lora_on_the_builtin_engine(self) -> InferenceConfig:

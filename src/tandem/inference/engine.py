@@ -32,7 +32,7 @@ import torch
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.kv_budget import kv_cache_blocks, state_slots
-from tandem.inference.limits import BatchLimits, ServerLimits, check_prompt
+from tandem.inference.limits import BatchLimits, RequestRefused, ServerLimits, check_prompt
 from tandem.inference.outputs import Collector, PromptLogprobs, RequestUpdate, SampleRecord
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.requests import Requests, Sampled
@@ -40,6 +40,7 @@ from tandem.inference.runner import Runner
 from tandem.inference.scheduler import BlockAllocator, Request, Scheduler
 from tandem.inference.weights import copy_weights
 from tandem.models import CausalLM
+from tandem.models.lora import lora_args
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +164,18 @@ class Engine:
         stream: bool = False,
         detokenize: bool = False,
         request_id: str | None = None,
+        adapter: bool = True,
     ) -> str:
         """Queue a request; raises RequestRefused (a ValueError naming the problem) for one the engine cannot serve.
 
         `on_update` is called on the engine thread: every step the request progresses when `stream`, else once
         at the end; the last update has `finished=True`. `detokenize` adds text (stop strings cut it).
+        `adapter=False` runs a model served with unfolded LoRA adapters without them (the base model).
         """
         prompt = list(prompt)
         max_tokens = self.check(prompt, params, n=n, detokenize=detokenize)
+        if not adapter and self.runner.adapter_gates is None and lora_args(self.model) is not None:
+            raise RequestRefused("this server's LoRA adapters are folded into its weights: it cannot serve the base")
         request = Request(
             id=request_id or uuid.uuid4().hex,
             prompt=prompt,
@@ -181,6 +186,7 @@ class Engine:
             stream=stream,
             detokenize=detokenize,
             on_update=on_update,
+            adapter=adapter,
         )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt), params.prompt_logprobs)
@@ -211,9 +217,11 @@ class Engine:
         *,
         detokenize: bool = False,
         timeout: float | None = None,
+        adapters: list[bool] | None = None,
     ) -> list[list[SampleRecord]]:
         """Blocking convenience: run prompts to completion, returning `n` samples per prompt."""
-        return [c.samples for c in self.collect(prompts, params, n, detokenize=detokenize, timeout=timeout)]
+        collectors = self.collect(prompts, params, n, detokenize=detokenize, timeout=timeout, adapters=adapters)
+        return [c.samples for c in collectors]
 
     def collect(
         self,
@@ -223,9 +231,11 @@ class Engine:
         *,
         detokenize: bool = False,
         timeout: float | None = None,
+        adapters: list[bool] | None = None,
     ) -> list[Collector]:
         """Blocking: run prompts to completion (sharing steps), returning each one's collector (its `n` samples,
-        and its prompt logprobs when asked for); RuntimeError if any failed."""
+        and its prompt logprobs when asked for); RuntimeError if any failed. `adapters`: per prompt, whether it runs
+        the LoRA adapters (`submit`'s `adapter`; default: all do)."""
         for prompt in prompts:  # all of them, before anything is made for any
             self.check(prompt, params, n=n, detokenize=detokenize)
         collectors = [Collector(n) for _ in prompts]
@@ -240,7 +250,8 @@ class Engine:
             return add
 
         for index, prompt in enumerate(prompts):
-            self.submit(prompt, params, on_update(index), n=n, detokenize=detokenize)
+            adapter = True if adapters is None else adapters[index]
+            self.submit(prompt, params, on_update(index), n=n, detokenize=detokenize, adapter=adapter)
         deadline = None if timeout is None else time.monotonic() + timeout
         for event in done:
             if not event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):

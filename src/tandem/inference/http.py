@@ -243,12 +243,13 @@ async def unless_client_gone(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def check_model(name: str | None, served: str) -> None:
-    """404 unless a request that names a model names the served one."""
-    if name is not None and name != served:
-        raise HTTPError(
-            404, f"model `{name}` is not served here; this server serves `{served}`", "not_found_error", "model"
-        )
+def check_model(name: str | None, served: str, *others: str) -> str:
+    """The model a request asks for: `served` when it names none, else the one of `served` and `others` it names
+    (a 404 for any other)."""
+    if name is None or name == served or name in others:
+        return name or served
+    listed = ", ".join(f"`{n}`" for n in (served, *others))
+    raise HTTPError(404, f"model `{name}` is not served here; this server serves {listed}", "not_found_error", "model")
 
 
 def check_version_order(version: int, served: int, rollback: bool) -> None:

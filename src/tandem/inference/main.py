@@ -137,19 +137,31 @@ def lora_to_serve(config: InferenceConfig, model_dir: Path) -> LoraArgs | None:
     return args
 
 
-def served_name(config: InferenceConfig, model_dir: Path) -> str:
-    """The model id clients ask for: with an adapter directory, `lora_name` (else `served_model_name`, else the
-    adapter directory's name); without, `served_model_name` or the model directory's name."""
-    if config.lora_adapter is not None:
-        return config.lora_name or config.served_model_name or Path(config.lora_adapter).resolve().name
-    return config.lora_name or config.served_model_name or model_dir.resolve().name
+def served_names(config: InferenceConfig, model_dir: Path) -> tuple[str, str | None]:
+    """The model ids clients ask for: the served model's, and the base model's when it is served beside an
+    unfolded adapter directory (else None). With an adapter directory, its id is `lora_name`, else (base served too)
+    the adapter directory's name, else (folded) `served_model_name` or the adapter directory's name; the base's is
+    `served_model_name` or the model directory's name. ConfigError when the two would be the same."""
+    base = config.served_model_name or model_dir.resolve().name
+    if config.lora_adapter is None:
+        return config.lora_name or base, None
+    directory = Path(config.lora_adapter).resolve().name
+    if config.folds_lora:
+        return config.lora_name or config.served_model_name or directory, None
+    adapter = config.lora_name or directory
+    if adapter == base:
+        raise ConfigError(
+            f"the adapter and the base model would both be served as `{base}`: set inference.lora_name or "
+            "inference.served_model_name"
+        )
+    return adapter, base
 
 
 def load_served_model(
     config: InferenceConfig, model_dir: Path, device: torch.device, lora: LoraArgs | None
 ) -> CausalLM:
     """The model the engine serves: the checkpoint at `model_dir`, with `lora` (from `lora_to_serve`) adapters
-    added, loaded from `inference.lora_adapter` if set, and folded into the weights unless `lora_fold` is off. A
+    added, loaded from `inference.lora_adapter` if set, and folded into the weights if `folds_lora`. A
     hand-off then swaps only the adapters."""
     model = load_model(
         model_dir,
@@ -164,9 +176,10 @@ def load_served_model(
     apply_lora(model, lora, seed=0)
     if config.lora_adapter is not None:
         load_peft_adapter(model, config.lora_adapter)
-    if config.lora_fold:
+    folded = config.folds_lora
+    if folded:
         fold_adapters(model)
-    how = "folded into the weights" if config.lora_fold else "unmerged"
+    how = "folded into the weights" if folded else "unfolded, the base model served beside them"
     logger.info("LoRA adapters: rank %d on %s, %s", lora.rank, ", ".join(lora.target_modules), how)
     return model
 
@@ -189,14 +202,21 @@ def run(config: InferenceConfig) -> int:
         tokenizer = _tokenizer(model_dir)
         engine = Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer))
         engine.start()
-        name = served_name(config, model_dir)
+        name, base_name = served_names(config, model_dir)
         logger.info(
-            "serving %s as `%s` on %s (%s), context %d", model_dir, name, device, config.model.dtype, config.seq_len
+            "serving %s as `%s`%s on %s (%s), context %d",
+            model_dir,
+            name,
+            f" and the base model as `{base_name}`" if base_name else "",
+            device,
+            config.model.dtype,
+            config.seq_len,
         )
         server = InferenceServer(
             engine,
             tokenizer,
             name,
+            base_name=base_name,
             admin_token=admin_token,
             weights_dir=config.weights_dir or config.output_dir,
             max_body_bytes=config.max_body_bytes,

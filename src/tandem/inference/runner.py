@@ -9,6 +9,10 @@ A hybrid model (linear-attention layers, `args.is_hybrid`) also gets a `StateCac
 running sequence (the scheduler assigns them); its forwards take the state and the step's `StateBatch`, and a
 fork copies the parent's state into its children's slots as it copies the last KV block.
 
+A model served with unfolded LoRA adapters serves the base model too: before every forward the runner writes one
+gate per row (1.0 for a request of the adapter, 0.0 for one of the base, `Request.adapter`) into a buffer every
+adapted projection reads (`lora.route_adapters`), so one batch mixes both, under CUDA graphs too.
+
 With `overlap_steps`, a decode step whose rows all sample from the whole vocabulary leaves its tokens on the
 device (`InFlight`): the next step, when it decodes exactly the same sequences, is launched with those tokens as
 inputs before the host reads them, so the request side records the previous step while the GPU computes. A
@@ -29,7 +33,7 @@ import torch
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.cuda_graphs import GraphedDecoder
-from tandem.inference.decode import EagerDecoder, StepFunction, decode_step
+from tandem.inference.decode import EagerDecoder, StepFunction, copy_to_device, decode_step
 from tandem.inference.fused_decode import fused_decode_step, fused_decode_supported
 from tandem.inference.kv_budget import block_bytes, state_bytes
 from tandem.inference.outputs import PromptLogprobs
@@ -40,6 +44,7 @@ from tandem.inference.scheduler import SCRATCH_BLOCK, SCRATCH_SLOT, Request, Sch
 from tandem.kernels import triton_available, triton_unavailable_reason
 from tandem.models import CausalLM, KVCache, StateCache
 from tandem.models.logprobs import score_tokens
+from tandem.models.lora import lora_args, lora_folded, route_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +114,13 @@ class Runner:
                 config.max_running,
                 state_bytes(args, slots, dtype) / 2**30,
             )
+        self.adapter_gates: torch.Tensor | None = None
+        """With unfolded LoRA adapters: per row of a forward, 1.0 to run them (`Request.adapter`), 0.0 for the base
+        model (`lora.route_adapters`); long enough for any step's rows, a CUDA graph's padding included."""
+        if lora_args(model) is not None and not lora_folded(model):
+            rows = config.max_prefill_tokens + max(config.max_running, *config.cuda_graph_batch_sizes)
+            self.adapter_gates = torch.ones(rows, device=self.device)
+            route_adapters(model, self.adapter_gates)
         self.decoder = self._decoder()
         self.sampler = Sampler(triton=self.decoder.step is fused_decode_step)
         self.in_flight: InFlight | None = None
@@ -261,6 +273,7 @@ class Runner:
         tables = [seq.blocks + [-1] * (width - len(seq.blocks)) for seq in seqs]
         batch = self.cache.batch([take for _, take in chunks], [seq.num_cached for seq in seqs], tables)
         input_ids = torch.tensor(ids, device=self.device)
+        self._gate_adapters([seq.request.adapter for seq, take in chunks for _ in range(take)])
         state = self._state_args([seq.slot for seq in seqs], [seq.num_cached for seq in seqs])  # () unless hybrid
         scoring = self._prompt_targets(chunks)
         if scoring[0]:  # only requests that asked for prompt logprobs pay for the hidden states of every token
@@ -328,6 +341,7 @@ class Runner:
     def _decode(self, seqs: list[Sequence], device_tokens: torch.Tensor | None) -> torch.Tensor:
         tokens = [seq.tokens[-1] for seq in seqs]  # a place-holder where `device_tokens` has the token
         lengths, tables = [seq.num_cached for seq in seqs], [seq.blocks for seq in seqs]
+        self._gate_adapters([seq.request.adapter for seq in seqs])
         if self.state is None:
             logits = self.decoder(tokens, lengths, tables, device_tokens)
         else:
@@ -335,6 +349,16 @@ class Runner:
         for seq in seqs:
             seq.num_cached += 1
         return logits
+
+    def _gate_adapters(self, adapter: list[bool]) -> None:
+        """Write the next forward's per-row adapter gates (serving unfolded LoRA adapters; a no-op otherwise)."""
+        if self.adapter_gates is None:
+            return
+        if len(adapter) > len(self.adapter_gates):
+            raise RuntimeError(
+                f"a step of {len(adapter)} rows is longer than the adapter gates ({len(self.adapter_gates)})"
+            )
+        copy_to_device(torch.tensor(adapter, dtype=torch.float32), self.adapter_gates[: len(adapter)])
 
     def _state_args(self, slots: list[int], cached: list[int]) -> tuple[Any, ...]:
         """A hybrid model's extra forward arguments, the state cache and the step's `StateBatch` (a sequence with 0

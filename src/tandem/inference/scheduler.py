@@ -98,6 +98,8 @@ class Request:
     """When asked for: the prompt's scores, filled by prefill. Positions already scored are never scored again, so
     a prompt prefilled twice (preempted, or a sample prefilled on its own) still gets each exactly once."""
     prompt_logprobs_sent: bool = False
+    adapter: bool = True
+    """With LoRA adapters served unfolded: run with them (the adapter's model name) or without (the base's)."""
 
     @property
     def done(self) -> bool:

@@ -72,7 +72,15 @@ class RequestGroup:
     """The engine requests behind one HTTP request, one per prompt; their updates arrive on one queue."""
 
     def __init__(
-        self, engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, *, stream: bool, text: bool
+        self,
+        engine: Engine,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        *,
+        stream: bool,
+        text: bool,
+        adapter: bool = True,
     ) -> None:
         with refusals():  # every prompt, before anything is made or queued for any
             for prompt in prompts:
@@ -86,7 +94,9 @@ class RequestGroup:
             with refusals():
                 for index, prompt in enumerate(prompts):
                     deliver = partial(self._deliver, loop, index)
-                    self.ids.append(engine.submit(prompt, params, deliver, n=n, stream=stream, detokenize=text))
+                    self.ids.append(
+                        engine.submit(prompt, params, deliver, n=n, stream=stream, detokenize=text, adapter=adapter)
+                    )
         except HTTPError:
             self.cancel()
             raise
@@ -155,6 +165,7 @@ class InferenceServer:
         tokenizer: Any,
         model_name: str,
         *,
+        base_name: str | None = None,
         admin_token: str | None,
         weights_dir: Path,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -162,6 +173,8 @@ class InferenceServer:
         broadcast_hosts: Sequence[str] = (),
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.base_name = base_name
+        """Served beside unfolded LoRA adapters (`model_name` then names the adapter): the base model alone."""
         self.prompt_tokenizer = ContextTokenizer(tokenizer, engine.max_model_len)
         self.weights_dir, self.max_body_bytes = weights_dir, max_body_bytes
         self.trust_request_chat_template = trust_request_chat_template
@@ -192,8 +205,10 @@ class InferenceServer:
     async def _parse(self, request: Request, model: type[M]) -> M:
         return await parse(request, model, self.max_body_bytes)
 
-    def _check_model(self, name: str | None) -> None:
-        check_model(name, self.model_name)
+    def _check_model(self, name: str | None) -> tuple[str, bool]:
+        """The model id a request asks for (default: `model_name`), and whether it runs the LoRA adapters."""
+        chosen = check_model(name, self.model_name, *([self.base_name] if self.base_name else []))
+        return chosen, chosen != self.base_name
 
     async def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
         """The rendered, tokenized conversation, on a worker thread (under a deadline when the request brings its
@@ -258,32 +273,33 @@ class InferenceServer:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
-        card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.engine.max_model_len)
-        return json_response(ModelList(data=[card]))
+        names = [self.model_name, *([self.base_name] if self.base_name else [])]
+        cards = [ModelCard(id=name, created=self.created, max_model_len=self.engine.max_model_len) for name in names]
+        return json_response(ModelList(data=cards))
 
     async def generate(self, request: Request) -> Response:
         """Token ids in, token ids, logprobs and kept ids (the `masks` field) out; in JSON or msgpack
         (`Content-Type`, `Accept`)."""
         body = await parse(request, GenerateRequest, self.max_body_bytes, msgpack=True)
-        self._check_model(body.model)
+        name, adapter = self._check_model(body.model)
         params = body.sampling
-        group = RequestGroup(self.engine, body.prompts, params, body.n, stream=False, text=False)
+        group = RequestGroup(self.engine, body.prompts, params, body.n, stream=False, text=False, adapter=adapter)
         await group.finish(request)
         outputs = [c.to_output(len(p), params) for p, c in zip(body.prompts, group.collectors, strict=True)]
-        response = GenerateResponse(model=self.model_name, policy_version=self.engine.version, outputs=outputs)
+        response = GenerateResponse(model=name, policy_version=self.engine.version, outputs=outputs)
         return encoded_response(request, response)
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
-        self._check_model(body.model)
+        name, adapter = self._check_model(body.model)
         with refusals():
             prompts = await asyncio.to_thread(openai_api.completion_prompts, body, self.prompt_tokenizer)
             params = openai_api.completion_sampling(body)
         echoed: list[str] = []  # decoding a long prompt takes a while: off the loop, as tokenizing it was
         if body.echo:
             echoed = await asyncio.to_thread(openai_api.echo_texts, body, prompts, self.tokenizer)
-        group = RequestGroup(self.engine, prompts, params, body.n, stream=body.stream, text=True)
-        reply = openai_api.CompletionReply(body, self.tokenizer, self.model_name, prompts, echoed)
+        group = RequestGroup(self.engine, prompts, params, body.n, stream=body.stream, text=True, adapter=adapter)
+        reply = openai_api.CompletionReply(body, self.tokenizer, name, prompts, echoed)
 
         async def score_echoes(indices: list[int]) -> None:
             if unscored := reply.unscored(indices):
@@ -308,13 +324,13 @@ class InferenceServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
-        self._check_model(body.model)
+        name, adapter = self._check_model(body.model)
         with refusals():
             tools = openai_api.chat_tools(body.tools, body.tool_choice, self.prompt_tokenizer)
             prompt = await self._chat_prompt(body, tools and tools[0])
             params = openai_api.chat_sampling(body)
-        group = RequestGroup(self.engine, [prompt], params, body.n, stream=body.stream, text=True)
-        reply = openai_api.ChatReply(body, self.tokenizer, self.model_name, prompt, tools and tools[1])
+        group = RequestGroup(self.engine, [prompt], params, body.n, stream=body.stream, text=True, adapter=adapter)
+        reply = openai_api.ChatReply(body, self.tokenizer, name, prompt, tools and tools[1])
         if body.stream:
 
             async def chunks() -> AsyncIterator[BaseModel]:

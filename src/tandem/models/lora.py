@@ -15,7 +15,8 @@ adapted; dense MLPs and shared experts are.
 
 Functions: `apply_lora`, `lora_args`, `lora_parameters`, `adapter_state_dict`, `is_adapter_name`, `peft_key`,
 `to_peft_state_dict`, `from_peft_state_dict`, `peft_config`, `save_adapter`, `write_adapter`, `read_adapter`,
-`load_peft_adapter`, `merge_lora`, `fold_adapters` (serving: adapters folded into the weights, a base copy kept).
+`load_peft_adapter`, `merge_lora`, `fold_adapters` (serving: adapters folded into the weights, a base copy kept),
+`route_adapters` (serving base and adapter side by side: a per-row gate on the adapters' output).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class LoraLinear(nn.Linear):
         device = base.weight.device
         self.folded_base: torch.Tensor | None = None
         """The base weight, kept while the adapters are folded into `weight` for serving (`fold_adapters`)."""
+        self.row_gates: torch.Tensor | None = None
+        """Serving base and adapter side by side (`route_adapters`): a buffer whose first rows say, per row of
+        the input, 1.0 to add the adapters' output, 0.0 for the base model alone."""
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
         for i in self.targeted:
@@ -116,7 +120,10 @@ class LoraLinear(nn.Linear):
         if self.folded_base is not None:  # `weight` already holds base + adapters
             return y
         parts = list(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [y]
-        scale = self.lora.scale
+        scale: float | torch.Tensor = self.lora.scale
+        if self.row_gates is not None:  # per row: the adapters' scale, or 0 for a request of the base model
+            rows = x.shape[:-1]
+            scale = self.row_gates[: rows.numel()].view(*rows, 1) * self.lora.scale
         for i in self.targeted:
             a, b = self.lora_A[self.names[i]], self.lora_B[self.names[i]]
             h = x.to(a.weight.dtype)
@@ -450,6 +457,16 @@ def fold_adapters(model: nn.Module) -> None:
         if module.folded_base is None:
             module.folded_base = module.weight.detach().clone()
         module.fold_into_weight(module.folded_base)
+
+
+def route_adapters(model: nn.Module, gates: torch.Tensor) -> None:
+    """Serve base and adapter side by side from unfolded adapters: every adapted projection scales its adapters'
+    output for input row r by `gates[r]` (1.0: the adapter's request, 0.0: the base model's). `gates` is a buffer
+    at least as long as any forward's rows, written before each forward; CUDA graphs read it at its address."""
+    if lora_folded(model):
+        raise LoraError("folded adapters are part of the weights: the base model cannot be served beside them")
+    for _, module in lora_modules(model):
+        module.row_gates = gates
 
 
 def lora_folded(model: nn.Module) -> bool:
