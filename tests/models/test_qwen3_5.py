@@ -1,6 +1,7 @@
-"""Qwen3.5 text models against transformers in fp32: `Qwen3_5ForCausalLM` (Qwen3-Next's hybrid with a dense MLP and
-the Gated DeltaNet's input projections stored apart), and the text decoder of a `Qwen3_5ForConditionalGeneration`
-checkpoint (text_config, `model.language_model.*`, a vision tower to skip), saved back as a text checkpoint."""
+"""Qwen3.5 text models against transformers in fp32, dense and MoE: `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`
+(Qwen3-Next's hybrid with the Gated DeltaNet's input projections stored apart), and the text decoder of a
+`...ForConditionalGeneration` checkpoint (text_config, `model.language_model.*`, a vision tower to skip), saved back
+as a text checkpoint."""
 
 from __future__ import annotations
 
@@ -8,14 +9,23 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+)
 
-from support.hybrid_models import PERTURB, QWEN3_5
+from support.hybrid_models import PERTURB, QWEN3_5, QWEN3_5_MOE
 from support.hybrid_parity import assert_packed_row_equals_documents, assert_padded_and_causal_parity
 from support.model_parity import TOL, assert_round_trips_through_transformers, hf_load, write_hf_model
 from tandem.models import load_model, model_args, save_model
 
-CONFIG = {**QWEN3_5, "vocab_size": 256}
+CONFIGS = {"dense": {**QWEN3_5, "vocab_size": 256}, "moe": {**QWEN3_5_MOE, "vocab_size": 256}}
+MULTIMODAL = {
+    "dense": (Qwen3_5Config, Qwen3_5ForConditionalGeneration, "Qwen3_5ForCausalLM"),
+    "moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, "Qwen3_5MoeForCausalLM"),
+}
 VISION = {
     "depth": 1, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": QWEN3_5["hidden_size"],
     "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
@@ -23,16 +33,23 @@ VISION = {
 """A one-block vision tower: only there to be skipped on load."""
 
 
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_hf_model(tmp_path_factory.mktemp("qwen3_5"), CONFIG, perturb=PERTURB)
+def model_dir(tmp_path_factory, family):
+    return write_hf_model(tmp_path_factory.mktemp(f"qwen3_5_{family}"), CONFIGS[family], perturb=PERTURB)
 
 
 def test_config_is_parsed():
-    args = model_args(CONFIG)
+    args = model_args(CONFIGS["dense"])
     assert args.layer_types == ("linear_attention", "full_attention") * 2
     assert args.moe is None and args.attn_output_gate and args.zero_centered_norm and args.rotary_dim == 3
     assert args.linear is not None and args.linear.flat_projections
+    moe = model_args(CONFIGS["moe"]).moe
+    assert moe is not None and moe.layers == (0, 1, 2, 3) and moe.norm_topk_prob and moe.shared_expert_gate
 
 
 def test_logits_match_transformers_and_the_checkpoint_round_trips(model_dir, tmp_path):
@@ -45,19 +62,20 @@ def test_packed_row_equals_documents_in_values_and_gradients(model_dir):
     assert_packed_row_equals_documents(load_model(model_dir), "linear_attn")
 
 
-def test_the_text_decoder_of_a_multimodal_checkpoint_loads_and_saves_as_text(tmp_path):
-    text = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+def test_the_text_decoder_of_a_multimodal_checkpoint_loads_and_saves_as_text(tmp_path, family):
+    config_cls, model_cls, text_architecture = MULTIMODAL[family]
+    text = {k: v for k, v in CONFIGS[family].items() if k not in ("architectures", "model_type", "torch_dtype")}
     torch.manual_seed(0)
-    reference = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=VISION)).eval()
+    reference = model_cls(config_cls(text_config=text, vision_config=VISION)).eval()
     reference.save_pretrained(tmp_path / "vl")
     model = load_model(tmp_path / "vl").eval()
-    ids = torch.randint(3, CONFIG["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, text["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
         assert (model(ids) - expected).abs().max() < TOL
 
     save_model(model, tmp_path / "text")
     saved = json.loads((tmp_path / "text" / "config.json").read_text())
-    assert saved["architectures"] == ["Qwen3_5ForCausalLM"] and saved["model_type"] == "qwen3_5_text"
+    assert saved["architectures"] == [text_architecture]
     with torch.no_grad():
         assert (hf_load(tmp_path / "text")(ids).logits - expected).abs().max() < TOL

@@ -52,6 +52,13 @@ QWEN3_5 = {
 """Tiny Qwen3.5 text model: QWEN3_NEXT's layers and heads with a dense MLP (the Gated DeltaNet's projections are
 stored apart)."""
 
+QWEN3_5_MOE = {
+    **{k: v for k, v in QWEN3_NEXT.items() if k not in ("norm_topk_prob", "mlp_only_layers")},
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+}
+"""Tiny Qwen3.5-MoE text model: QWEN3_NEXT's MoE on every layer (Qwen3.5-MoE has no dense layers option)."""
+
 PERTURB = ("layernorm.weight", "norm.weight", "dt_bias", "A_log")
 """Zero-centred norms start at 0 and dt_bias at 1 in transformers: randomised so that parity covers them."""
 

@@ -20,7 +20,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         glm4_moe.ARCHITECTURE,
         qwen3_next.ARCHITECTURE,
         qwen3_5.ARCHITECTURE,
-        qwen3_5.MULTIMODAL_ARCHITECTURE,
+        qwen3_5.MOE_ARCHITECTURE,
+        *qwen3_5.MULTIMODAL_ARCHITECTURES,
         nemotron_h.ARCHITECTURE,
     )
 }
