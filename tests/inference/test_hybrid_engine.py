@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.hybrid_models import QWEN3_5, QWEN3_NEXT, write_servable_hybrid
+from support.hybrid_models import NEMOTRON_H_MOE, QWEN3_5, QWEN3_NEXT, write_servable_hybrid
 from support.inference import engine_config
 from support.model_parity import hf_load
 from support.polling import wait_until
@@ -66,9 +66,11 @@ def test_greedy_generation_matches_transformers(cache, preempts, hybrid_dir, hf_
     assert engine.scheduler.num_free_slots == cache["max_running"]
 
 
-def test_qwen3_5_greedy_generation_matches_transformers(tmp_path, make_engine):
-    """Qwen3.5's separately stored projections, served: the same engine path, its own weights."""
-    path = write_servable_hybrid(tmp_path / "qwen3_5", QWEN3_5)
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h_moe"])
+def test_other_hybrids_greedy_generation_matches_transformers(family, tmp_path, make_engine):
+    """Qwen3.5's separately stored projections, and Nemotron-H's Mamba-2 and MoE blocks, served."""
+    config = {"qwen3_5": QWEN3_5, "nemotron_h_moe": NEMOTRON_H_MOE}[family]
+    path = write_servable_hybrid(tmp_path / family, config)
     engine = make_engine(path=path, **PAGED)
     prompts = _prompts(4, engine.vocab_size, (3, 40), seed=1)
     ours = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))

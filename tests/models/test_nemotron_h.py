@@ -53,6 +53,21 @@ groups of state 14, conv of 4 taps, chunks of 8 (short rows span several); GQA 6
 
 PERTURB = ("norm.weight", "norm_f.weight", "dt_bias", "A_log", ".D")
 
+MOE_CONFIG = {
+    **CONFIG,
+    "hybrid_override_pattern": "M*E-E*M",
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 20,
+    "moe_shared_expert_intermediate_size": 28,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+"""CONFIG with MoE blocks (`E`) at layers 2 and 4: 8 ungated squared-ReLU experts in 2 groups, top-3 from the best
+group, weights scaled by 2.5, a shared expert of 28; the correction bias is randomised by `write_hf_model`."""
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -68,7 +83,9 @@ def test_config_is_parsed():
     del listed["hybrid_override_pattern"]
     assert model_args(listed).layer_types == ("mamba", "full_attention", "mlp")
     with pytest.raises(ModelConfigError, match="not supported"):
-        model_args({**CONFIG, "hybrid_override_pattern": "M*E"})
+        model_args({**CONFIG, "hybrid_override_pattern": "M*X"})
+    with pytest.raises(ModelConfigError, match="moe_latent_size"):
+        model_args({**MOE_CONFIG, "moe_latent_size": 16})
     with pytest.raises(ModelConfigError, match="mlp_hidden_act"):
         model_args({**CONFIG, "mlp_hidden_act": "gelu"})
 
@@ -118,3 +135,29 @@ def test_prefill_then_decode_matches_full_forward(model_dir):
     state = StateCache.for_model(model.args, num_slots=STATE_SLOTS)
     assert sorted(state.recurrent) == [0, 3, 6] and state.recurrent[0].shape == (4, 6, 10, 14)
     assert_state_cache_matches_forward(model)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return write_hf_model(tmp_path_factory.mktemp("nemotron_h_moe"), MOE_CONFIG, perturb=PERTURB)
+
+
+def test_moe_blocks_are_parsed():
+    args = model_args(MOE_CONFIG)
+    assert args.layer_types[2] == args.layer_types[4] == "moe"
+    moe = args.moe
+    assert moe is not None and moe.layers == (2, 4) and moe.expert_activation == "relu2"
+    assert moe.scoring == "sigmoid" and moe.score_correction_bias and (moe.n_group, moe.topk_group) == (2, 1)
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+def test_moe_blocks_match_transformers(backend, moe_dir, tmp_path):
+    model, hf = load_model(moe_dir, moe_backend=backend).eval(), hf_load(moe_dir)
+    assert_padded_and_causal_parity(model, hf, f"nemotron_h moe {backend}", 20)
+    assert_packed_rows_match_per_document(model, hf)
+    assert_round_trips_through_transformers(model, moe_dir, tmp_path / "saved")
+
+
+def test_moe_blocks_decode_from_the_state_cache(moe_dir):
+    assert_state_cache_matches_forward(load_model(moe_dir).eval())
+

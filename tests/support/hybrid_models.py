@@ -59,6 +59,31 @@ QWEN3_5_MOE = {
 }
 """Tiny Qwen3.5-MoE text model: QWEN3_NEXT's MoE on every layer (Qwen3.5-MoE has no dense layers option)."""
 
+NEMOTRON_H_MOE = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "hidden_size": 48,
+    "hybrid_override_pattern": "M*E-M",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 12,
+    "intermediate_size": 40,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 12,
+    "ssm_state_size": 8,
+    "n_groups": 2,
+    "chunk_size": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "moe_shared_expert_intermediate_size": 24,
+    "routed_scaling_factor": 2.0,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+"""Tiny Nemotron-H with a MoE block: Mamba-2, attention, MoE (4 ungated experts, top 2, a shared expert), MLP,
+Mamba-2."""
+
 PERTURB = ("layernorm.weight", "norm.weight", "dt_bias", "A_log")
 """Zero-centred norms start at 0 and dt_bias at 1 in transformers: randomised so that parity covers them."""
 

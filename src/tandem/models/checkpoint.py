@@ -102,7 +102,8 @@ def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False)
     for i in range(args.num_layers):
         hf, rt = f"{top}layers.{i}.", f"layers.{i}."
         if args.block == "mixer":  # Nemotron-H: norm + one mixer, HF's names unchanged
-            out |= {rt + name: _under(hf, fused) for name, fused in _mixer_block_weights(args, i).items()}
+            block = _mixer_block_weights(args, i, layout, stacked_experts)
+            out |= {rt + name: _under(hf, fused) for name, fused in block.items()}
             continue
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
@@ -140,10 +141,14 @@ def _gqa_weights(args: ModelArgs) -> dict[str, Fused]:
     return out | {f"self_attn.{n}.weight": _plain(f"self_attn.{n}.weight") for n in norms}
 
 
-def _mixer_block_weights(args: ModelArgs, layer: int) -> dict[str, Fused]:
+def _mixer_block_weights(args: ModelArgs, layer: int, layout: HFLayout, stacked_experts: bool) -> dict[str, Fused]:
     """Within a one-mixer block (Nemotron-H): `norm` and the mixer's tensors, all under HF's names (`mixer.*`)."""
     kind = args.layer_type(layer)
     names = ["norm.weight"]
+    if kind == "moe":
+        assert args.moe is not None
+        moe = _moe_weights(args.moe, layout, stacked_experts)
+        return {"norm.weight": _plain("norm.weight")} | {"mixer." + k.removeprefix("mlp."): f for k, f in moe.items()}
     if kind == "mamba":
         m = args.mamba
         assert m is not None
@@ -218,21 +223,32 @@ def _mlp_weights(prefix: str, size: int, bias: bool, hf_prefix: str | None = Non
     return out
 
 
+UNGATED = ("up_proj", "down_proj")
+"""An ungated MLP's projections (Nemotron-H's shared expert)."""
+
+
 def _moe_weights(moe: MoEArgs, layout: HFLayout, stacked_experts: bool) -> dict[str, Fused]:
     """Within a layer: router (+ correction bias), experts stacked from per-expert tensors, shared experts."""
     out = {"mlp.router.weight": _plain(layout.router)}
     if moe.score_correction_bias:
         out["mlp.router.e_score_correction_bias"] = _plain(layout.router_bias)
-    if moe.shared_intermediate_size:
+    if moe.shared_intermediate_size and moe.expert_activation == "swiglu":
         out |= _mlp_weights("mlp.shared_experts.", moe.shared_intermediate_size, False, layout.shared_experts)
-        if moe.shared_expert_gate:
-            out["mlp.shared_expert_gate.weight"] = _plain(layout.shared_expert_gate)
+    elif moe.shared_intermediate_size:  # ungated, as its experts
+        out |= {f"mlp.shared_experts.{p}.weight": _plain(f"{layout.shared_experts}{p}.weight") for p in UNGATED}
+    if moe.shared_intermediate_size and moe.shared_expert_gate:
+        out["mlp.shared_expert_gate.weight"] = _plain(layout.shared_expert_gate)
+    gate, up, down = (layout.expert.replace("{proj}", proj) for proj in layout.expert_projs)
+    experts = range(moe.num_experts)
+    if moe.expert_activation != "swiglu":  # ungated experts (Nemotron-H), stored one by one
+        out["mlp.experts.up_proj"] = Fused(tuple((up.format(expert=e),) for e in experts), stacked=True)
+        out["mlp.experts.down_proj"] = Fused(tuple((down.format(expert=e),) for e in experts), stacked=True)
+        return out
     if stacked_experts:
         out["mlp.experts.gate_up_proj"] = _plain(layout.stacked_gate_up)
         out["mlp.experts.down_proj"] = _plain(layout.stacked_down)
         return out
-    gate, up, down = (layout.expert.replace("{proj}", proj) for proj in layout.expert_projs)
-    experts, size = range(moe.num_experts), moe.intermediate_size
+    size = moe.intermediate_size
     out["mlp.experts.gate_up_proj"] = Fused(
         tuple((gate.format(expert=e), up.format(expert=e)) for e in experts), (size, size), stacked=True
     )

@@ -68,6 +68,7 @@ class MoEArgs:
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False  # Qwen3-Next: shared output times sigmoid(shared_expert_gate(x)), a [1, H] weight
+    expert_activation: str = "swiglu"  # "relu2": ungated experts and shared expert, relu(up(x))^2 (Nemotron-H)
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORING_FUNCTIONS:
@@ -116,7 +117,7 @@ class IndexerArgs:
     topk: int
 
 
-LAYER_TYPES = ("full_attention", "linear_attention", "mamba", "mlp")
+LAYER_TYPES = ("full_attention", "linear_attention", "mamba", "mlp", "moe")
 STATEFUL_LAYER_TYPES = ("linear_attention", "mamba")  # layers that keep a recurrent state (`StateCache`)
 BLOCK_STYLES = ("decoder", "mixer")
 
@@ -242,8 +243,10 @@ class ModelArgs:
             raise ModelConfigError("mamba layers need MambaArgs")
         if self.block not in BLOCK_STYLES:
             raise ModelConfigError(f"block {self.block!r} is not one of {BLOCK_STYLES}")
-        if self.block == "decoder" and {"mamba", "mlp"} & set(self.layer_types):
-            raise ModelConfigError("mamba and mlp layers are one-mixer blocks (block='mixer')")
+        if self.block == "decoder" and {"mamba", "mlp", "moe"} & set(self.layer_types):
+            raise ModelConfigError("mamba, mlp and moe layers are one-mixer blocks (block='mixer')")
+        if "moe" in self.layer_types and self.moe is None:
+            raise ModelConfigError("moe layers need MoEArgs")
         if isinstance(self.moe_backend, tuple) and len(self.moe_backend) != self.num_layers:
             raise ModelConfigError(
                 f"moe_backend has {len(self.moe_backend)} entries, expected one per layer ({self.num_layers})"
@@ -271,7 +274,8 @@ class ModelArgs:
 
     def layer_type(self, layer: int) -> str:
         """The token mixer of decoder layer `layer`: `full_attention` (softmax attention, KV cache),
-        `linear_attention` (Gated DeltaNet) or `mamba` (Mamba-2), both with a recurrent state cache, or `mlp`."""
+        `linear_attention` (Gated DeltaNet) or `mamba` (Mamba-2), both with a recurrent state cache, or `mlp` or
+        `moe` (one-mixer blocks of a dense or sparse MLP)."""
         return self.layer_types[layer] if self.layer_types else "full_attention"
 
     @property

@@ -49,11 +49,36 @@ def _mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
     return MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.mlp_activation)
 
 
+def _moe(args: ModelArgs, layer_idx: int) -> MoE:
+    moe = args.moe
+    assert moe is not None
+    return MoE(
+        args.hidden_size,
+        moe.intermediate_size,
+        moe.num_experts,
+        moe.top_k,
+        moe.norm_topk_prob,
+        backend=args.moe_backend_for(layer_idx),
+        freeze_router=args.freeze_router,
+        balanced_routing=args.moe_balanced_routing,
+        shared_intermediate_size=moe.shared_intermediate_size,
+        shared_activation=args.swiglu_backend,
+        shared_expert_gate=moe.shared_expert_gate,
+        expert_activation=moe.expert_activation,
+        scoring=moe.scoring,
+        score_correction_bias=moe.score_correction_bias,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        scaling_factor=moe.routed_scaling_factor,
+    )
+
+
 MIXERS: dict[str, tuple[str, Callable[[ModelArgs, int], nn.Module]]] = {
     "full_attention": ("self_attn", _attention),
     "linear_attention": ("linear_attn", GatedDeltaNet),
     "mamba": ("mixer", Mamba2),
     "mlp": ("mixer", _mlp),
+    "moe": ("mixer", _moe),
 }
 """Layer kind -> (attribute and HF name of its token mixer in a `DecoderBlock`, constructor `(args, layer_idx)`).
 A `MixerBlock` keeps any kind under `mixer`."""
@@ -72,25 +97,7 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, centered)
         self.mlp: nn.Module
         if args.moe is not None and args.is_moe_layer(layer_idx):
-            moe = args.moe
-            self.mlp = MoE(
-                args.hidden_size,
-                moe.intermediate_size,
-                moe.num_experts,
-                moe.top_k,
-                moe.norm_topk_prob,
-                backend=args.moe_backend_for(layer_idx),
-                freeze_router=args.freeze_router,
-                balanced_routing=args.moe_balanced_routing,
-                shared_intermediate_size=moe.shared_intermediate_size,
-                shared_activation=args.swiglu_backend,
-                shared_expert_gate=moe.shared_expert_gate,
-                scoring=moe.scoring,
-                score_correction_bias=moe.score_correction_bias,
-                n_group=moe.n_group,
-                topk_group=moe.topk_group,
-                scaling_factor=moe.routed_scaling_factor,
-            )
+            self.mlp = _moe(args, layer_idx)
         else:
             self.mlp = GatedMLP(
                 args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.swiglu_backend
@@ -107,7 +114,7 @@ class DecoderBlock(nn.Module):
 
 
 class MixerBlock(nn.Module):
-    """Nemotron-H's block: `x + mixer(norm(x))` with one mixer of any kind (attention, Mamba-2, MLP) under `mixer`.
+    """Nemotron-H's block: `x + mixer(norm(x))` with one mixer of any kind (attention, Mamba-2, MLP, MoE) under `mixer`.
     One FSDP / compile unit."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
@@ -155,7 +162,7 @@ class CausalLM(nn.Module):
                 if module.e_score_correction_bias is not None:
                     nn.init.zeros_(module.e_score_correction_bias)
             if isinstance(module, Experts):
-                nn.init.normal_(module.gate_up_proj, std=std, generator=generator)
+                nn.init.normal_(module.w1, std=std, generator=generator)
                 nn.init.normal_(module.down_proj, std=std, generator=generator)
             if isinstance(module, RMSNorm):
                 module.reset_parameters()

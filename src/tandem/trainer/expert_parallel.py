@@ -97,19 +97,20 @@ class ExpertParallelMoE(MoE):
     """A MoE layer that holds only its share of the experts (same parameter names, `[E / P, ...]` shapes)."""
 
     def __init__(self, moe: MoE, groups: ExpertGroups) -> None:
-        num_experts, two_i, hidden = moe.experts.gate_up_proj.shape
+        num_experts, hidden, intermediate = moe.experts.down_proj.shape
         if num_experts % groups.size:
             raise ConfigError(f"model.expert_parallel {groups.size} must divide the number of experts {num_experts}")
         with torch.device("meta"):
             super().__init__(
                 hidden,
-                two_i // 2,
+                intermediate,
                 num_experts,
                 moe.top_k,
                 moe.norm_topk_prob,
                 backend=moe.backend,
                 freeze_router=moe.freeze_router,
                 balanced_routing=moe.balanced_routing,
+                expert_activation=moe.experts.activation,
             )
         self.router, self.shared_experts = moe.router, moe.shared_experts
         self.num_experts, self.groups = num_experts, groups
@@ -130,9 +131,9 @@ class ExpertParallelMoE(MoE):
         recv_splits = received.view(size, local).sum(1).tolist()
         rows = _AllToAll.apply(x[token], recv_splits, send_splits, self.groups.group)
         expert_of_row = torch.arange(local, device=x.device).repeat(size).repeat_interleave(received)
-        gate_up, down = (p.to(x.dtype) for p in (self.experts.gate_up_proj, self.experts.down_proj))
+        w1, down = (p.to(x.dtype) for p in (self.experts.w1, self.experts.down_proj))
         ones = rows.new_ones(rows.shape[0], 1)
-        y = MOE_BACKENDS[self.backend](rows, ones, expert_of_row[:, None], gate_up, down)
+        y = MOE_BACKENDS[self.backend](rows, ones, expert_of_row[:, None], w1, down, self.experts.activation)
         back = _AllToAll.apply(y, send_splits, recv_splits, self.groups.group)
         return torch.zeros_like(x).index_add_(0, token, back * weights.reshape(-1)[order, None])
 

@@ -4,10 +4,11 @@ compute backends.
 Routing (`route`) is softmax over all experts (Qwen3-MoE) or DeepSeek-V3's: per-expert sigmoid scores, chosen
 with a correction bias added and only among the best expert groups, weighted by the unbiased scores.
 
-Expert weights are stacked `[num_experts, ...]` (`gate_up_proj`: `[E, 2 * I, H]`, gate rows first;
-`down_proj`: `[E, H, I]`), the layout every MoE family is converted to at load time. A backend is a function
-`(x [T, H], weights [T, k], experts [T, k], gate_up, down) -> [T, H]`; `MOE_BACKENDS` maps names to them so a
-Triton kernel is one more entry.
+Expert weights are stacked `[num_experts, ...]` (SwiGLU experts: `gate_up_proj` `[E, 2 * I, H]`, gate rows first;
+Nemotron-H's ungated squared-ReLU experts: `up_proj` `[E, I, H]`; both: `down_proj` `[E, H, I]`), the layout every
+MoE family is converted to at load time. A backend is a function `(x [T, H], weights [T, k], experts [T, k], w1,
+down, activation) -> [T, H]` (w1 the first projection, `activation` an `EXPERT_ACTIVATIONS` name); `MOE_BACKENDS`
+maps names to them so a Triton kernel is one more entry.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import GatedMLP
+from .mlp import ACTIVATIONS, MLP, GatedMLP, swiglu
 from .precision import autocast_dtype
 
 logger = logging.getLogger(__name__)
 
-MoEBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MoEBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
+EXPERT_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"swiglu": swiglu, **ACTIVATIONS}
+"""What an expert applies to its first projection's output: `swiglu` (gate and up fused, `[.., 2I] -> [.., I]`) or
+an ungated MLP activation (`relu2`, Nemotron-H)."""
 
 
 def route(
@@ -73,23 +77,24 @@ def _top_experts(choice: torch.Tensor, top_k: int, n_group: int, topk_group: int
     return choice.topk(top_k, dim=-1).indices
 
 
-def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
-
-
 def experts_loop(
-    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    down: torch.Tensor,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Reference: for each expert, gather its tokens, run its MLP, scatter-add weighted outputs (like HF).
 
     Token selection has data-dependent shapes, so this backend does not compile with `fullgraph=True`.
     """
-    x, weights, gate_up, down = _in_autocast_dtype(x, weights, gate_up, down)
+    x, weights, w1, down = _in_autocast_dtype(x, weights, w1, down)
+    act = EXPERT_ACTIVATIONS[activation]
     out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
+    for e in range(w1.shape[0]):
         token, slot = torch.where(experts == e)
-        y = _expert_mlp(x[token], gate_up[e], down[e])
+        y = F.linear(act(F.linear(x[token], w1[e])), down[e])
         out.index_add_(0, token, y * weights[token, slot, None])
     return out
 
@@ -136,18 +141,23 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def experts_grouped_mm(
-    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w1: torch.Tensor,
+    down: torch.Tensor,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Sort (token, expert) pairs by expert, run two grouped GEMMs, scatter back. Shapes are static."""
-    x, weights, gate_up, down = _in_autocast_dtype(x, weights, gate_up, down)
-    num_experts, k = gate_up.shape[0], experts.shape[1]
+    x, weights, w1, down = _in_autocast_dtype(x, weights, w1, down)
+    num_experts, k = w1.shape[0], experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     token = order // k
     counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0).to(torch.int32)
-    gate, up = grouped_mm(x[token], gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
-    y = grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs)
+    hidden = EXPERT_ACTIVATIONS[activation](grouped_mm(x[token], w1.transpose(1, 2), offs))
+    y = grouped_mm(hidden, down.transpose(1, 2), offs)
     y = y * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -156,12 +166,23 @@ MOE_BACKENDS: dict[str, MoEBackend] = {"loop": experts_loop, "grouped_mm": exper
 
 
 class Experts(nn.Module):
-    """The stacked expert weights (plain Parameters, so FSDP shards them along the expert dimension)."""
+    """The stacked expert weights (plain Parameters, so FSDP shards them along the expert dimension): SwiGLU experts
+    hold `gate_up_proj`, ungated ones (`activation` relu2) `up_proj`."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "swiglu") -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {activation!r}; known: {sorted(EXPERT_ACTIVATIONS)}")
+        self.activation = activation
+        rows = 2 * intermediate_size if activation == "swiglu" else intermediate_size
+        w1 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+        self.register_parameter("gate_up_proj" if activation == "swiglu" else "up_proj", w1)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    @property
+    def w1(self) -> nn.Parameter:
+        """The first projection: `gate_up_proj` or `up_proj`."""
+        return self.gate_up_proj if self.activation == "swiglu" else self.up_proj
 
 
 class Router(nn.Module):
@@ -219,7 +240,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + experts (+ shared experts: a dense SwiGLU every token goes through, added to the routed output;
+    """Router + experts (+ shared experts: a dense MLP every token goes through, added to the routed output, SwiGLU
+    or, with ungated experts, of their activation;
     with `shared_expert_gate` (Qwen3-Next) scaled per token by `sigmoid(shared_expert_gate(x))`, a `[1, H]` weight).
 
     `freeze_router` detaches the router weight so it never gets a gradient (the correction bias never gets one);
@@ -241,18 +263,19 @@ class MoE(nn.Module):
         shared_intermediate_size: int = 0,
         shared_activation: str = "torch",
         shared_expert_gate: bool = False,
+        expert_activation: str = "swiglu",
         **routing: Any,
     ) -> None:
         super().__init__()
         if backend not in MOE_BACKENDS:
             raise ValueError(f"unknown MoE backend {backend!r}; known: {sorted(MOE_BACKENDS)}")
         self.router = Router(hidden_size, num_experts, top_k, norm_topk_prob, **routing)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
-        self.shared_experts = (
-            GatedMLP(hidden_size, shared_intermediate_size, activation=shared_activation)
-            if shared_intermediate_size
-            else None
-        )
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, expert_activation)
+        self.shared_experts: nn.Module | None = None
+        if shared_intermediate_size and expert_activation == "swiglu":
+            self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, activation=shared_activation)
+        elif shared_intermediate_size:  # ungated experts come with an ungated shared expert (Nemotron-H)
+            self.shared_experts = MLP(hidden_size, shared_intermediate_size, activation=expert_activation)
         gated = shared_intermediate_size and shared_expert_gate
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
         self.backend, self.freeze_router, self.balanced_routing = backend, freeze_router, balanced_routing
@@ -265,7 +288,8 @@ class MoE(nn.Module):
     def norm_topk_prob(self) -> bool:
         return self.router.norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *_: object) -> torch.Tensor:
+        """`[..., H]` -> `[..., H]`; as a one-mixer block's mixer (Nemotron-H), the extra arguments are ignored."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.router(x, self.freeze_router, self.balanced_routing)
@@ -279,7 +303,8 @@ class MoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """`[T, H]`: each token's chosen experts, weighted and summed (expert parallelism overrides this)."""
-        return MOE_BACKENDS[self.backend](x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
+        stacked = self.experts
+        return MOE_BACKENDS[self.backend](x, weights, experts, stacked.w1, stacked.down_proj, stacked.activation)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, freeze_router={self.freeze_router}, balanced_routing={self.balanced_routing}"
