@@ -119,8 +119,8 @@ def test_a_bad_adapter_directory_is_a_config_error_before_loading(model_dir, tmp
     with pytest.raises(ConfigError, match=r"model\.lora asks for rank 8"):
         lora = {"name": str(base), "lora": {"rank": 8}}
         lora_to_serve(engine_config(base, lora_adapter=tmp_path / "fits", model=lora), base)
-    with pytest.raises(ValueError, match="built-in engine only"):
-        engine_config(base, engine="vllm", lora_adapter=tmp_path / "fits")
+    with pytest.raises(ValueError, match="lora_fold = true is the built-in engine's"):
+        engine_config(base, engine="vllm", lora_adapter=tmp_path / "fits", lora_fold=True)
 
 
 def _join(server: ServerThread, sender) -> None:

@@ -76,10 +76,9 @@ class InferenceConfig(RunConfig):
         return self.lora_fold if self.lora_fold is not None else self.lora_adapter is None
 
     @model_validator(mode="after")
-    def _lora_on_the_builtin_engine(self) -> InferenceConfig:
-        if self.engine == "vllm" and (self.lora_adapter is not None or self.model.lora.enabled):
+    def _vllm_serves_adapters_unfolded(self) -> InferenceConfig:
+        if self.engine == "vllm" and self.lora_fold:
             raise ValueError(
-                "LoRA adapters (inference.lora_adapter, model.lora) are served by the built-in engine only so far; "
-                'use engine = "builtin", or merge the adapter first (tandem merge-lora)'
+                "lora_fold = true is the built-in engine's: vLLM serves LoRA adapters with its own kernels, unfolded"
             )
         return self

@@ -188,11 +188,11 @@ def run(config: InferenceConfig) -> int:
     model_dir = _model_dir(config)
     admin_token = _admin_token(config)
     check_context(config.seq_len, model_dir)
+    lora = lora_to_serve(config, model_dir)
     if config.engine == "vllm":
         from tandem.inference.vllm.launch import serve
 
-        return serve(config, model_dir, admin_token)
-    lora = lora_to_serve(config, model_dir)
+        return serve(config, model_dir, admin_token, lora)
     device = _device(config.device)
     stop_on_sigterm()
     run_dir = prepare_run_dir(config)

@@ -39,6 +39,7 @@ from tandem.models import (
 )
 from tandem.models.lora import (
     ADAPTER_CONFIG,
+    LoraArgs,
     LoraError,
     clean_name,
     fold_adapters,
@@ -123,11 +124,9 @@ def weight_targets(model: CausalLM) -> dict[str, torch.Tensor]:
     return {clean_name(name): param for name, param in params.items() if is_adapter_name(name)}
 
 
-def read_adapter_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
-    """The adapter tensors (runtime names, on CPU) of the PEFT adapter directory `path` for a model served with
-    adapters: the same rank, alpha and targets, every tensor finite and of the served shape."""
-    served = lora_args(model)
-    assert served is not None
+def read_served_adapter(path: Path, served: LoraArgs) -> dict[str, torch.Tensor]:
+    """The PEFT adapter directory `path`'s tensors (PEFT keys, on CPU), read only from inside `path`, checked to
+    have the served adapters' rank, alpha and targets and finite values; WeightsError (or ForbiddenWeightsPath)."""
     for name in (ADAPTER_CONFIG, "adapter_model.safetensors"):
         try:
             resolve_inside(path / name, path)
@@ -135,7 +134,6 @@ def read_adapter_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]
             raise ForbiddenWeightsPath(str(error)) from None
     try:
         args, peft = read_adapter(path)
-        tensors = from_peft_state_dict(model, peft)
     except LoraError as error:
         raise WeightsError(f"cannot load the adapter {path}: {error}") from None
     offered = (args.rank, args.alpha, set(args.target_modules))
@@ -144,8 +142,21 @@ def read_adapter_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]
             f"{path}: the adapter has rank {args.rank}, alpha {args.alpha:g} on {list(args.target_modules)}; the "
             f"served adapters rank {served.rank}, alpha {served.alpha:g} on {list(served.target_modules)}"
         )
-    for name, tensor in tensors.items():
+    for name, tensor in peft.items():
         _check_finite(path, name, tensor)
+    return peft
+
+
+def read_adapter_weights(path: Path, model: CausalLM) -> dict[str, torch.Tensor]:
+    """The adapter tensors (runtime names, on CPU) of the PEFT adapter directory `path` for a model served with
+    adapters: the same rank, alpha and targets, every tensor finite and of the served shape."""
+    served = lora_args(model)
+    assert served is not None
+    peft = read_served_adapter(path, served)
+    try:
+        tensors = from_peft_state_dict(model, peft)
+    except LoraError as error:
+        raise WeightsError(f"cannot load the adapter {path}: {error}") from None
     targets = weight_targets(model)
     _check_same_model(
         {name: tuple(t.shape) for name, t in targets.items()}, {n: tuple(t.shape) for n, t in tensors.items()}, path

@@ -13,6 +13,11 @@ The engine is vLLM's `EngineClient` (`app.state.engine_client`):
   request that truncates sampling (top-k, top-p, min-p) is refused unless the server was started with
   `exact_replay = false`.
 - `/pause` freezes vLLM's scheduler with requests kept (`pause_generation(mode="keep")`), `/resume` restarts it.
+- With a LoRA adapter (launch.py `served_adapter`), the adapter and the base model are served side by side: a
+  request naming the adapter (the default) runs with vLLM's current `LoRARequest` for it, one naming the base
+  without; `/update_weights` then takes a PEFT adapter directory of the served shape and replaces the adapter in
+  place through vLLM's runtime LoRA loading (`load_lora_adapter(load_inplace=True)`, which its OpenAI routes
+  read too).
 - `/update_weights` checks the checkpoint like the built-in server (same architecture and tensor shapes as the
   served model, inside `weights_dir`: `weights.check_checkpoint`), then, with generation held, has every worker
   load it in place
@@ -65,8 +70,17 @@ from tandem.inference.protocol import (
     UpdateWeightsResponse,
 )
 from tandem.inference.startup import announce
-from tandem.inference.weights import Shapes, check_checkpoint, checkpoint_shapes, resolve_weights_path
+from tandem.inference.weights import (
+    Shapes,
+    WeightsError,
+    check_checkpoint,
+    checkpoint_shapes,
+    read_served_adapter,
+    resolve_weights_path,
+)
 from tandem.models import ModelArgs, model_args
+from tandem.models.lora import LoraArgs, read_adapter
+from tandem.transport.weights.control import check_same_model
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +98,10 @@ class RouteSettings:
     run_dir: str
     """Where `server.json` is written once the server listens."""
     max_body_bytes: int
+    base_name: str | None = None
+    """With a LoRA adapter (`model_name` then names it): the base model's id, served beside it."""
+    lora_path: str | None = None
+    """The adapter vLLM started with (its shape is what `/update_weights` must offer)."""
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -115,6 +133,7 @@ class TandemRoutes:
         self.error: str | None = None  # set when a weight update failed part-way
         self._weights_lock: asyncio.Lock | None = None
         self._served: tuple[ModelArgs, Shapes] | None = None
+        self._served_adapter: tuple[LoraArgs, Shapes] | None = None
         self._announcing: asyncio.Task | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -185,7 +204,9 @@ class TandemRoutes:
 
     async def generate(self, request: Request, engine: Any) -> Response:
         body = await parse(request, GenerateRequest, self.settings.max_body_bytes, msgpack=True)
-        check_model(body.model, self.settings.model_name)
+        base = self.settings.base_name
+        name = check_model(body.model, self.settings.model_name, *([base] if base else []))
+        lora_request = self._lora_request(request) if base and name != base else None
         if self.error is not None:
             raise HTTPError(503, f"not generating with partly loaded weights: {self.error}", "server_error")
         params = body.sampling
@@ -194,16 +215,21 @@ class TandemRoutes:
             for prompt in body.prompts:
                 check_prompt(prompt, params, limits, n=body.n)
         vllm_params = _vllm_sampling(params, body.n)
-        tasks = [asyncio.ensure_future(self._prompt(engine, prompt, vllm_params, params)) for prompt in body.prompts]
+        tasks = [
+            asyncio.ensure_future(self._prompt(engine, prompt, vllm_params, params, lora_request))
+            for prompt in body.prompts
+        ]
         try:
             outputs = await unless_client_gone(request, asyncio.gather(*tasks))
         finally:  # also when one prompt failed: cancelling a vLLM request's generator aborts it
             for task in tasks:
                 task.cancel()
-        response = GenerateResponse(
-            model=self.settings.model_name, policy_version=await self._version(engine), outputs=outputs
-        )
+        response = GenerateResponse(model=name, policy_version=await self._version(engine), outputs=outputs)
         return encoded_response(request, response)
+
+    def _lora_request(self, request: Request) -> Any:
+        """vLLM's current `LoRARequest` of the served adapter (replaced in place by `/update_weights`)."""
+        return request.app.state.openai_serving_models.lora_requests[self.settings.model_name]
 
     def _limits(self, engine: Any) -> ServerLimits:
         """What this vLLM server can serve: its model's vocabulary, context and logprob cap; no kept ids (so
@@ -220,13 +246,18 @@ class TandemRoutes:
             prompt_logprobs=False,
         )
 
-    async def _prompt(self, engine: Any, prompt: list[int], vllm_params: Any, params: SamplingParams) -> PromptOutput:
+    async def _prompt(
+        self, engine: Any, prompt: list[int], vllm_params: Any, params: SamplingParams, lora_request: Any = None
+    ) -> PromptOutput:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.inputs import tokens_input
 
         final = None
+        request_id = f"gen-{uuid.uuid4().hex}"
         try:
-            async for output in engine.generate(tokens_input(prompt), vllm_params, f"gen-{uuid.uuid4().hex}"):
+            async for output in engine.generate(
+                tokens_input(prompt), vllm_params, request_id, lora_request=lora_request
+            ):
                 final = output
         except (VLLMClientError, ValueError) as error:
             raise HTTPError(400, str(error)) from None
@@ -243,14 +274,20 @@ class TandemRoutes:
             check_version_order(body.version, await self._version(engine), body.rollback)
             with refusals():
                 path = resolve_weights_path(body.path, Path(self.settings.weights_dir))
-                self._check_same_model(path)
+                if self.settings.lora_path is None:
+                    self._check_same_model(path)
+                else:
+                    self._check_same_adapter(path)
             hold = not await engine.is_paused()  # the orchestrator pauses first; a lone call pauses here
             started = time.monotonic()
             if hold:
                 await engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 try:
-                    load_s = max(await engine.collective_rpc("tandem_load_weights", args=(str(path),)))
+                    if self.settings.lora_path is None:
+                        load_s = max(await engine.collective_rpc("tandem_load_weights", args=(str(path),)))
+                    else:
+                        load_s = await self._load_adapter(request, path)
                 except Exception as error:
                     self.error = f"loading {path} failed part-way: {type(error).__name__}: {error}"
                     raise
@@ -266,6 +303,31 @@ class TandemRoutes:
             "loaded %s as policy version %d (%.2f s, generation held %.2f s)", path, body.version, load_s, pause_s
         )
         return json_response(UpdateWeightsResponse(policy_version=body.version, load_s=load_s, pause_s=pause_s))
+
+    async def _load_adapter(self, request: Request, path: Path) -> float:
+        """Replace the served adapter in place with the one at `path` (vLLM's runtime LoRA loading, which its
+        OpenAI routes use too); seconds taken."""
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        started = time.monotonic()
+        load = LoadLoRAAdapterRequest(lora_name=self.settings.model_name, lora_path=str(path), load_inplace=True)
+        result = await request.app.state.openai_serving_models.load_lora_adapter(load)
+        if not isinstance(result, str):  # vLLM's ErrorResponse
+            raise RuntimeError(f"vLLM did not load the adapter: {result}")
+        return time.monotonic() - started
+
+    def _check_same_adapter(self, path: Path) -> None:
+        """WeightsError unless `path` is a PEFT adapter directory of the served adapter's rank, alpha, targets and
+        tensor shapes, with finite values (`weights.read_served_adapter`)."""
+        if self._served_adapter is None:
+            assert self.settings.lora_path is not None
+            args, tensors = read_adapter(self.settings.lora_path)
+            self._served_adapter = (args, {key: tuple(t.shape) for key, t in tensors.items()})
+        args, shapes = self._served_adapter
+        offered = read_served_adapter(path, args)
+        problem = check_same_model(shapes, {key: tuple(t.shape) for key, t in offered.items()}, str(path))
+        if problem is not None:
+            raise WeightsError(problem)
 
     def _check_same_model(self, path: Path) -> None:
         """WeightsError unless `path` holds the served model (ForbiddenWeightsPath for a file that links out of
