@@ -141,7 +141,7 @@ def test_generate_keeps_the_built_in_contract(server):
         ({"prompt_token_ids": [5] * SEQ_LEN}, 400, "leaves no room"),
         ({"prompt_token_ids": [5], "sampling": {"temprature": 1.0}}, 400, "unknown field `sampling.temprature`"),
         ({"prompt_token_ids": [5], "model": "gpt-4"}, 404, "is not served here"),
-        ({"prompt_token_ids": [100000]}, 400, "out of vocabulary"),
+        ({"prompt_token_ids": [100000]}, 400, "must lie in"),
     ],
 )
 def test_bad_generate_requests_are_4xx_with_the_reason(server, body, status, message):
