@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from support.inference import ServerThread, engine_config
+from support.lora import adapted_model
 from support.polling import wait_until
 from tandem.config import ConfigError
 from tandem.inference.engine import Engine
@@ -22,7 +23,6 @@ from tandem.models import load_model
 from tandem.models.lora import (
     LoraArgs,
     adapter_state_dict,
-    apply_lora,
     is_adapter_name,
     lora_modules,
     merge_lora,
@@ -37,15 +37,7 @@ ARGS = LoraArgs(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "
 
 
 def _adapted(path, seed: int):
-    """The base at `path` with adapters whose B is random (non-zero): a policy that differs from the base."""
-    model = load_model(path, dtype=torch.float32, device="cpu")
-    apply_lora(model, ARGS, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model
+    return adapted_model(path, ARGS, seed)
 
 
 def _engine(path, tokenizer, **overrides) -> Engine:
@@ -224,7 +216,6 @@ def test_a_folded_server_refuses_the_base(model_dir, tokenizer, tmp_path, engine
     assert engine.runner.adapter_gates is None
     with pytest.raises(RequestRefused, match="cannot serve the base"):
         engine.submit([1, 2, 3], SamplingParams(max_tokens=2), lambda update: None, adapter=False)
-
 
 
 def test_the_openai_api_serves_base_and_adapter_by_name(model_dir, tokenizer, tmp_path, engines):

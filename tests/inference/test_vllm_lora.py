@@ -9,6 +9,9 @@ import importlib.util
 import pytest
 import torch
 
+from support.jsonl import read_metrics
+from support.lora import adapted_model
+from support.runs import tandem_rl, write_rl_sources
 from support.vllm_server import ADMIN, PROMPTS, TOKEN, VLLM_TINY, VllmServer
 from tandem.models import IGNORE_INDEX, load_model
 from tandem.models.lora import LoraArgs, apply_lora, save_adapter
@@ -25,15 +28,7 @@ ARGS = LoraArgs(rank=8, alpha=16, target_modules=("q_proj", "v_proj", "o_proj", 
 
 
 def _adapted(path, seed: int):
-    """The base at `path` with adapters whose B is random: a policy that differs from the base."""
-    model = load_model(path, dtype=torch.float32, device="cpu")
-    apply_lora(model, ARGS, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model
+    return adapted_model(path, ARGS, seed)
 
 
 def _scores(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -88,9 +83,6 @@ def test_adapter_and_base_are_served_and_the_adapter_is_replaced_in_place(tiny_m
 def test_rl_with_lora_on_vllm_stays_on_policy(tiny_model_dir, tmp_path):
     """`tandem rl --inference.engine vllm --model.lora.rank 8`: vLLM starts from a zero-B adapter (the base), the
     trainer's adapters reach it through the file hand-off, and its logprobs stay the trainer's (fp32)."""
-    from support.jsonl import read_metrics
-    from support.runs import tandem_rl, write_rl_sources
-
     base = tiny_model_dir("qwen3", **VLLM_TINY)
     tandem_rl(
         base, tmp_path, "@", write_rl_sources(tmp_path), "--max-steps", "3", "--orchestrator.async-level", "0",
