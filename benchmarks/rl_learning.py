@@ -117,6 +117,7 @@ def main() -> None:
                      "--model.name", str(model), "--data.path", str(work / "data" / "train_mixed.jsonl"),
                      "--max-steps", str(args.sft_steps), "--optim.lr", str(args.sft_lr), "--ckpt.hf-interval", "0",
                      *common], work)  # fmt: skip
+        print(f"SFT    {args.sft_steps} steps in {sft_s:.0f} s; RL starts", flush=True)  # what a cut-off run keeps
         start = work / "reverse-text-sft-mixed" / "hf" / "final"
         rl_s = run([*tandem, "rl", "@", str(EXAMPLE / "rl.toml"), "--model.name", str(start),
                     "--max-steps", str(args.rl_steps), "--trainer.optim.lr", str(args.rl_lr),
