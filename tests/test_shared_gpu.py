@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.hybrid_models import QWEN3_NEXT
 from tandem.config import ConfigError
 from tandem.config.rl import RlConfig
+from tandem.inference.kv_budget import state_bytes
 from tandem.models import build_model, model_args
 from tandem.shared_gpu import (
     GIB,
@@ -184,3 +186,18 @@ def test_compiled_blocks_and_the_fused_loss_are_estimated_near_the_measured_peak
     assert need.activations < 0.7 * eager.activations
     planned, _ = plan_shared_gpu(config, int(79.2 * GIB), "NVIDIA H100 80GB HBM3")
     assert planned.inference.kv_cache_blocks * 16 >= 256 * 300  # a step's 256 rollouts of ~300 tokens
+
+
+def test_a_hybrid_servers_recurrent_state_is_counted(tmp_path):
+    """Qwen3-Next keeps a recurrent state per running sequence beside its KV cache: the server's fixed share holds it
+    (a state slot per `max_running` sequence and a scratch one), and the sentence says so."""
+    model = tmp_path / "qwen3-next"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**QWEN3_NEXT, "vocab_size": 256}))
+    config = RlConfig.model_validate({"model": {"name": str(model)}, "seq_len": 1024, "run_name": "rl"})
+    server = server_need(config)
+    slots = config.inference.max_running + 1
+    assert server.state == state_bytes(model_args(model), slots, torch.bfloat16) > 0
+    assert server.fixed == server.context + server.weights + server.activations + server.state
+    _, message = plan_shared_gpu(config, H200, "NVIDIA H200")
+    assert "recurrent state" in message

@@ -15,7 +15,8 @@ split would depend on which one allocates first. Instead the launcher plans the 
   With LoRA (`model.lora`) only the adapters count so (and travel, in fp32); the frozen base is held once, in
   the compute dtype;
 - each server gets its CUDA context, its weights in the serving dtype (with LoRA: and the fp32 adapters, and a
-  copy of the adapted weights when it folds them, `inference.lora_fold`), the engine's own estimate of one step's
+  copy of the adapted weights when it folds them, `inference.lora_fold`), a hybrid model's recurrent-state cache
+  (a slot per running sequence), the engine's own estimate of one step's
   temporaries (`kv_budget.activation_bytes`) and a KV cache of at least one `seq_len` sequence, and then the
   rest of the GPU, up to room for `max_running` sequences of `seq_len` tokens (more could never be used);
 - what is left stays free, as headroom for the trainer.
@@ -45,7 +46,7 @@ from tandem.config import ConfigError
 from tandem.config.common import LoraConfig
 from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig
-from tandem.inference.kv_budget import activation_bytes, block_bytes
+from tandem.inference.kv_budget import activation_bytes, block_bytes, state_bytes, state_slots
 from tandem.models import ModelArgs, build_model, model_args
 from tandem.models.lora import LoraArgs, apply_lora, lora_modules, lora_parameters
 from tandem.trainer.parallel import DTYPES
@@ -114,10 +115,12 @@ class ServerNeed:
     weights: int
     activations: int
     block: int
+    state: int = 0
+    """A hybrid model's recurrent-state cache (a slot per running sequence), allocated beside the KV cache."""
 
     @property
     def fixed(self) -> int:
-        return self.context + self.weights + self.activations
+        return self.context + self.weights + self.activations + self.state
 
 
 def shares_gpu(config: RlConfig) -> bool:
@@ -251,6 +254,7 @@ def server_need(config: RlConfig) -> ServerNeed:
         weights=counts.base * dtype.itemsize + 4 * counts.adapters + folded_copy,
         activations=activation_bytes(inference, args, dtype),
         block=block_bytes(args, inference.block_size, dtype),
+        state=state_bytes(args, state_slots(inference, args), dtype),
     )
 
 
@@ -311,7 +315,7 @@ def plan_shared_gpu(config: RlConfig, total_bytes: int, gpu_name: str = "") -> t
     message = (
         f"{_gpu_text(gpu_name, total_bytes)} shared: {trainer_text}; {each} gpu_memory_utilization "
         f"{fraction:g}{chosen} = {_gib_text(share)} GiB (weights {_gib_text(server.weights)}, step temporaries "
-        f"{_gib_text(server.activations)}, CUDA context {_gib_text(server.context)}, {kv_text}, room for "
+        f"{_gib_text(server.activations)}, CUDA context {_gib_text(server.context)}, {_state_text(server)}{kv_text}, room for "
         f"{min(blocks // blocks_per_seq, inference.max_running)} of max_running {inference.max_running} sequences of "
         f"seq_len {inference.seq_len}); {_gib_text(free)} GiB left free"
     )
@@ -320,6 +324,10 @@ def plan_shared_gpu(config: RlConfig, total_bytes: int, gpu_name: str = "") -> t
 
 def _gpu_text(name: str, total: int) -> str:
     return f"GPU 0 ({name + ', ' if name else ''}{_gib_text(total)} GiB)"
+
+
+def _state_text(server: ServerNeed) -> str:
+    return f"recurrent state {_gib_text(server.state)}, " if server.state else ""
 
 
 def _round_down(fraction: float) -> float:
@@ -354,7 +362,7 @@ def _no_fit(
     head = (
         f"{_gpu_text(gpu_name, total)} cannot hold both the trainer and inference: {trainer_text}; "
         f"{f'each of {servers} inference servers' if servers > 1 else 'inference'} needs at least {_gib_text(least)} GiB (weights {_gib_text(server.weights)}, step "
-        f"temporaries {_gib_text(server.activations)}, CUDA context {_gib_text(server.context)}, and a KV cache for one "
+        f"temporaries {_gib_text(server.activations)}, CUDA context {_gib_text(server.context)}, {_state_text(server)}and a KV cache for one "
         f"seq_len {config.inference.seq_len} sequence, {least_blocks} blocks)"
     )
     if source:
