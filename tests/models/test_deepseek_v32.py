@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from support.inference import engine_config
 from support.model_parity import (
     TOL,
     assert_cache_matches_forward,
@@ -30,6 +31,7 @@ from support.model_parity import (
     packed,
     write_hf_model,
 )
+from tandem.inference.kv_budget import activation_bytes
 from tandem.models import KVCache, ModelConfigError, build_model, load_model, model_args, save_model
 from tandem.models.layers import attention_inputs, indexer
 from tandem.models.layers.indexer import INDEX_BACKENDS, SparseMLAttention, index_scores, topk_selected
@@ -318,3 +320,13 @@ def test_model_with_triton_index_backend_matches_torch(v32_dir, triton_scores):
         want = load_model(v32_dir).eval()(ids[None], position_ids=pos[None])
         got = load_model(v32_dir, index_backend="triton").eval()(ids[None], position_ids=pos[None])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_the_engine_budgets_the_indexer_scores():
+    """A prefill chunk's indexer scores (fp32, per indexer head, against the whole context, before and after the
+    ReLU) are counted in the engine's step temporaries, on top of what the same model without an indexer needs."""
+    args = model_args(CONFIG)
+    config = engine_config("unused", max_prefill_tokens=64, seq_len=256)
+    without = activation_bytes(config, dataclasses.replace(args, indexer=None), torch.float32)
+    assert args.indexer is not None
+    assert activation_bytes(config, args, torch.float32) - without == 2 * 64 * args.indexer.num_heads * 256 * 4

@@ -40,9 +40,12 @@ def state_slots(config: InferenceConfig, args: ModelArgs) -> int:
 
 def activation_bytes(config: InferenceConfig, args: ModelArgs, dtype: torch.dtype) -> int:
     """A generous estimate of one step's peak temporaries: the sampler's `[rows, vocab]` buffers (fp32 logits,
-    sort values, int64 indices and hash noise) and a prefill chunk's MLP activations."""
+    sort values, int64 indices and hash noise), a prefill chunk's MLP activations, and with DeepSeek-V3.2's indexer
+    its fp32 scores of the chunk's queries against a whole context, per indexer head and after the ReLU."""
     sampler = 16 * config.max_running * args.vocab_size * 4
     prefill = 16 * config.max_prefill_tokens * max(args.hidden_size, args.intermediate_size) * dtype.itemsize
+    if args.indexer is not None:
+        prefill += 2 * config.max_prefill_tokens * args.indexer.num_heads * config.seq_len * 4
     return sampler + prefill + ACTIVATION_RESERVE_BYTES
 
 
