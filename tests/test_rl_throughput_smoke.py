@@ -1,5 +1,6 @@
-"""benchmarks/rl_throughput.py --smoke: every run kind (tandem rl at both async levels, the SFT, engine and trainer
-replay baselines) goes through the same code as on the GPU, with a tiny model on CPU, and reports its numbers."""
+"""benchmarks/rl_throughput.py --smoke: every run kind (tandem rl at both async levels, full fine-tuning and LoRA, the
+SFT, engine and trainer replay baselines) goes through the same code as on the GPU, with a tiny model on CPU, and
+reports its numbers."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from tandem.testing.progress import run_while_progressing
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {
     "rl-tiny-async1-default": "rl",
+    "rl-tiny-async1-lora": "rl",
     "rl-tiny-async0-default": "rl",
+    "rl-tiny-async0-lora": "rl",
     "sft-tiny": "trainer",
     "replay-tiny-default": "trainer",
+    "replay-tiny-lora": "trainer",
     "decode-tiny": "decode",
 }
 POSITIVE = {
