@@ -9,24 +9,22 @@ import threading
 import pytest
 import torch
 
+from support.inference import assert_on_policy, random_prompts, trainer_logprobs
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
 from tandem.inference.decode import decode_inputs, decode_step
-from tandem.inference.kept_ids import decode_kept_matrix
 from tandem.inference.outputs import Collector, RequestUpdate
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.weights import read_weights
-from tandem.models import IGNORE_INDEX, KVCache, load_model
+from tandem.models import KVCache, load_model
 from tandem.testing.tiny import TINY_ARCHITECTURES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 
 def _prompts(count: int, vocab: int, lengths=(3, 21), seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(*lengths, (count,), generator=g).tolist()
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
+    return random_prompts(count, vocab, lengths, seed)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
@@ -75,22 +73,12 @@ def test_logprobs_match_the_trainer_recomputation(params, model_dir, make_engine
     diffs = []
     for prompt, samples in zip(prompts, results, strict=True):
         for sample in samples:
-            ids = torch.tensor(prompt + sample.token_ids)
-            targets = ids[1:].clone()
-            targets[: len(prompt) - 1] = IGNORE_INDEX
-            encoded = sample.encoded_kept_ids if params.truncates else [None] * len(sample.token_ids)
-            kept_matrix = torch.tensor(decode_kept_matrix([None] * (len(prompt) - 1) + encoded))
-            with torch.no_grad():
-                out = trainer_model(
-                    ids[None, :-1], targets=targets[None], temperature=temperature, kept_matrix=kept_matrix[None]
-                )
-            trainer = out.logprobs[0, len(prompt) - 1 :]
-            diffs.append(trainer.double() - torch.tensor(sample.logprobs, dtype=torch.float64))
+            kept = sample.encoded_kept_ids if params.truncates else None
+            trainer = trainer_logprobs(trainer_model, prompt, sample.token_ids, temperature, kept)
+            diffs.append(trainer - torch.tensor(sample.logprobs, dtype=torch.float64))
             if params.truncates:
                 assert any(step is not None for step in sample.encoded_kept_ids)
-    d = torch.cat(diffs)
-    kl = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(inference || trainer)
-    assert kl < 1e-6 and d.abs().max() < 1e-4, f"mismatch KL {kl:.2e}, max |diff| {d.abs().max():.2e}"
+    assert_on_policy(diffs)
 
 
 def test_chunked_prefill_and_preemption_keep_greedy_outputs(make_engine):

@@ -10,17 +10,16 @@ import pytest
 import torch
 
 from support.hybrid_models import NEMOTRON_H_MOE, QWEN3_5, QWEN3_NEXT, write_servable_hybrid
-from support.inference import engine_config
+from support.inference import assert_on_policy, engine_config, random_prompts, trainer_logprobs
 from support.model_parity import hf_load
 from support.polling import wait_until
 from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
-from tandem.inference.kept_ids import decode_kept_matrix
 from tandem.inference.kv_budget import block_bytes, state_bytes
 from tandem.inference.main import eos_token_ids
 from tandem.inference.protocol import SamplingParams
-from tandem.models import IGNORE_INDEX, KVCache, StateCache, load_model, model_args
+from tandem.models import KVCache, StateCache, load_model, model_args
 
 PAGED = {"block_size": 4, "kv_cache_blocks": 40, "max_prefill_tokens": 16, "max_running": 4}
 """Blocks of 4 tokens, room for about two of these sequences at once, prompts prefilled 16 tokens a step, at most
@@ -37,12 +36,6 @@ def hf_model(hybrid_dir):
     return hf_load(hybrid_dir)
 
 
-def _prompts(count: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(*lengths, (count,), generator=g).tolist()
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
-
-
 def _hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -55,7 +48,7 @@ def test_greedy_generation_matches_transformers(cache, preempts, hybrid_dir, hf_
     engine = make_engine(path=hybrid_dir, **cache)
     assert engine.runner.state is not None and engine.runner.state.num_slots == cache["max_running"] + 1
     assert fused_decode_supported(engine.model) is not None
-    prompts = _prompts(6, engine.vocab_size, (3, 50), seed=0)
+    prompts = random_prompts(6, engine.vocab_size, (3, 50), seed=0)
     params = SamplingParams(temperature=0, max_tokens=24)
     ours = engine.generate(prompts, params)
     stats = engine.stats()
@@ -72,7 +65,7 @@ def test_other_hybrids_greedy_generation_matches_transformers(family, tmp_path, 
     config = {"qwen3_5": QWEN3_5, "nemotron_h_moe": NEMOTRON_H_MOE}[family]
     path = write_servable_hybrid(tmp_path / family, config)
     engine = make_engine(path=path, **PAGED)
-    prompts = _prompts(4, engine.vocab_size, (3, 40), seed=1)
+    prompts = random_prompts(4, engine.vocab_size, (3, 40), seed=1)
     ours = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     hf = hf_load(path)
     for prompt, (sample,) in zip(prompts, ours, strict=True):
@@ -83,7 +76,7 @@ def test_greedy_forks_continue_from_the_prompt_state(hybrid_dir, hf_model, make_
     """n = 3 greedy samples fork off one prefill (the state copied into each child's slot, the prompt ending
     mid-block): every sample is transformers' greedy continuation."""
     engine = make_engine(path=hybrid_dir, **{**PAGED, "kv_cache_blocks": 64, "max_running": 6})
-    prompts = _prompts(2, engine.vocab_size, (9, 30), seed=4)
+    prompts = random_prompts(2, engine.vocab_size, (9, 30), seed=4)
     prompts = [p if len(p) % 4 else [*p, 5] for p in prompts]
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16), n=3)
     for prompt, samples in zip(prompts, outputs, strict=True):
@@ -104,30 +97,21 @@ def test_sampled_logprobs_match_the_trainer_scoring(params, hybrid_dir, make_eng
     the RL trainer does (teacher-forced, same temperature and kept ids): mismatch KL < 1e-6."""
     engine = make_engine(path=hybrid_dir, **PAGED)
     trainer_model = load_model(hybrid_dir, dtype=torch.float32).eval()
-    prompts = _prompts(3, engine.vocab_size, (5, 40), seed=2)
+    prompts = random_prompts(3, engine.vocab_size, (5, 40), seed=2)
     diffs = []
     for prompt, samples in zip(prompts, engine.generate(prompts, params, n=2), strict=True):
         assert samples[0].token_ids != samples[1].token_ids
         for sample in samples:
-            ids = torch.tensor(prompt + sample.token_ids)
-            targets = ids[1:].clone()
-            targets[: len(prompt) - 1] = IGNORE_INDEX
-            encoded = sample.encoded_kept_ids if params.truncates else [None] * len(sample.token_ids)
-            kept_matrix = torch.tensor(decode_kept_matrix([None] * (len(prompt) - 1) + encoded))
-            with torch.no_grad():
-                out = trainer_model(
-                    ids[None, :-1], targets=targets[None], temperature=params.temperature, kept_matrix=kept_matrix[None]
-                )
-            diffs.append(out.logprobs[0, len(prompt) - 1 :].double() - torch.tensor(sample.logprobs).double())
-    d = torch.cat(diffs)
-    kl = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(inference || trainer)
-    assert kl < 1e-6 and d.abs().max() < 1e-4, f"mismatch KL {kl:.2e}, max |diff| {d.abs().max():.2e}"
+            kept = sample.encoded_kept_ids if params.truncates else None
+            trainer = trainer_logprobs(trainer_model, prompt, sample.token_ids, params.temperature, kept)
+            diffs.append(trainer - torch.tensor(sample.logprobs).double())
+    assert_on_policy(diffs)
 
 
 def test_prompt_logprobs_match_transformers(hybrid_dir, hf_model, make_engine):
     """Prompt logprobs come from `cached_hidden_states` over chunked prefill steps, the state carried across them."""
     engine = make_engine(path=hybrid_dir, max_prefill_tokens=16, max_running=4)
-    prompts = _prompts(2, engine.vocab_size, (20, 45), seed=5)
+    prompts = random_prompts(2, engine.vocab_size, (20, 45), seed=5)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     for prompt, collector in zip(prompts, engine.collect(prompts, params), strict=True):
         with torch.no_grad():
@@ -160,7 +144,7 @@ def test_cuda_graphs_give_the_eager_tokens(hybrid_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(hybrid_dir)
-    prompts = _prompts(6, tok.vocab_size, (3, 50), seed=0)
+    prompts = random_prompts(6, tok.vocab_size, (3, 50), seed=0)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = {}
     for graphs in (False, True):

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from support.inference import ServerThread, engine_config
+from support.inference import ServerThread, engine_config, trainer_logprobs
 from support.lora import adapted_model
 from support.polling import wait_until
 from tandem.config import ConfigError
@@ -61,16 +61,6 @@ def _sample(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
     return sample.token_ids, sample.logprobs
 
 
-def _trainer_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The trainer's scoring: `CausalLM.forward(targets=...)` over prompt + completion."""
-    ids = torch.tensor([prompt + tokens])
-    targets = torch.full_like(ids, -100)
-    targets[0, len(prompt) - 1 : -1] = torch.tensor(tokens)
-    with torch.no_grad():
-        scored = model(ids, targets=targets).logprobs[0, len(prompt) - 1 : -1]
-    return scored.double()
-
-
 @pytest.mark.parametrize("fold", [True, False], ids=["folded", "unmerged"])
 def test_the_engine_samples_an_adapter_as_the_trainer_scores_it(fold, model_dir, tokenizer, tmp_path, engines):
     base = model_dir()
@@ -89,11 +79,11 @@ def test_the_engine_samples_an_adapter_as_the_trainer_scores_it(fold, model_dir,
     prompt = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
     tokens, logprobs = _sample(engine, prompt)
     q = torch.tensor(logprobs, dtype=torch.float64)
-    p = _trainer_logprobs(trained, prompt, tokens)
+    p = trainer_logprobs(trained, prompt, tokens)
     kl = (torch.exp(q - p) - (q - p) - 1).mean().item()  # the trainer's mismatch_kl (k3 of p against q)
     assert abs(kl) < 1e-6 and (p - q).abs().max() < 1e-5, (kl, (p - q).abs().max())
     plain = load_model(base, dtype=torch.float32, device="cpu")
-    assert (_trainer_logprobs(plain, prompt, tokens) - q).abs().max() > 1e-3  # the adapter is in the forward
+    assert (trainer_logprobs(plain, prompt, tokens) - q).abs().max() > 1e-3  # the adapter is in the forward
 
 
 def test_a_bad_adapter_directory_is_a_config_error_before_loading(model_dir, tmp_path):
@@ -167,7 +157,7 @@ def test_a_hand_off_moves_the_adapters_only(transport, model_dir, tokenizer, tmp
             assert torch.equal(module.folded_base, frozen[f"{name}.weight"]), name  # the kept base never moves
         prompt = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
         tokens, logprobs = _sample(engine, prompt)
-        p = _trainer_logprobs(policies[-1], prompt, tokens)
+        p = trainer_logprobs(policies[-1], prompt, tokens)
         assert (p - torch.tensor(logprobs, dtype=torch.float64)).abs().max() < 1e-5
         if sender is not None:
             sender.close()
@@ -203,8 +193,8 @@ def test_base_and_adapter_are_served_side_by_side(model_dir, tokenizer, tmp_path
     samples = engine.generate(prompts, params, adapters=adapters)
     plain = load_model(base, dtype=torch.float32, device="cpu")
     for prompt, adapted, (sample,) in zip(prompts, adapters, samples, strict=True):
-        p = _trainer_logprobs(trained if adapted else plain, prompt, sample.token_ids)
-        other = _trainer_logprobs(plain if adapted else trained, prompt, sample.token_ids)
+        p = trainer_logprobs(trained if adapted else plain, prompt, sample.token_ids)
+        other = trainer_logprobs(plain if adapted else trained, prompt, sample.token_ids)
         q = torch.tensor(sample.logprobs, dtype=torch.float64)
         assert (p - q).abs().max() < 1e-5 and (other - q).abs().max() > 1e-3, (adapted, (p - q).abs().max())
 

@@ -10,17 +10,16 @@ import httpx
 import pytest
 import torch
 
-from support.inference import engine_config
+from support.inference import assert_on_policy, engine_config, random_prompts, trainer_logprobs
 from support.model_parity import DEEPSEEK_V3, GLM4_MOE, hf_load, write_servable_model
 from support.polling import wait_until
 from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
-from tandem.inference.kept_ids import decode_kept_matrix
 from tandem.inference.main import eos_token_ids
 from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.inference.weights import read_weights
-from tandem.models import IGNORE_INDEX, load_model
+from tandem.models import load_model
 
 FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
 PAGED = {"block_size": 4, "kv_cache_blocks": 40, "max_prefill_tokens": 16}
@@ -52,19 +51,13 @@ def hf_reference(family_dir):
     return load
 
 
-def _prompts(count: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(*lengths, (count,), generator=g).tolist()
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_paged_greedy_generation_matches_transformers(family, family_dir, hf_reference, make_engine):
     engine = make_engine(path=family_dir(family), **PAGED)
     assert fused_decode_supported(engine.model) is not None
     if family == "deepseek_v3":
         assert engine.runner.cache.v == [] and engine.runner.cache.k[0].shape[1:] == (4, 1, 20 + 8)
-    prompts = _prompts(6, engine.vocab_size, (3, 50), seed=0)
+    prompts = random_prompts(6, engine.vocab_size, (3, 50), seed=0)
     params = SamplingParams(temperature=0, max_tokens=24)
     ours = engine.generate(prompts, params)
     stats = engine.stats()
@@ -93,23 +86,14 @@ def test_sampled_logprobs_match_the_trainer_scoring(family, params, family_dir, 
     path = family_dir(family)
     engine = make_engine(path=path, **PAGED)
     trainer_model = load_model(path, dtype=torch.float32).eval()
-    prompts = _prompts(3, engine.vocab_size, (5, 40), seed=2)
+    prompts = random_prompts(3, engine.vocab_size, (5, 40), seed=2)
     diffs = []
     for prompt, samples in zip(prompts, engine.generate(prompts, params, n=2), strict=True):
         for sample in samples:
-            ids = torch.tensor(prompt + sample.token_ids)
-            targets = ids[1:].clone()
-            targets[: len(prompt) - 1] = IGNORE_INDEX
-            encoded = sample.encoded_kept_ids if params.truncates else [None] * len(sample.token_ids)
-            kept_matrix = torch.tensor(decode_kept_matrix([None] * (len(prompt) - 1) + encoded))
-            with torch.no_grad():
-                out = trainer_model(
-                    ids[None, :-1], targets=targets[None], temperature=params.temperature, kept_matrix=kept_matrix[None]
-                )
-            diffs.append(out.logprobs[0, len(prompt) - 1 :].double() - torch.tensor(sample.logprobs).double())
-    d = torch.cat(diffs)
-    kl = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(inference || trainer)
-    assert kl < 1e-6 and d.abs().max() < 1e-4, f"mismatch KL {kl:.2e}, max |diff| {d.abs().max():.2e}"
+            kept = sample.encoded_kept_ids if params.truncates else None
+            trainer = trainer_logprobs(trainer_model, prompt, sample.token_ids, params.temperature, kept)
+            diffs.append(trainer - torch.tensor(sample.logprobs).double())
+    assert_on_policy(diffs)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -118,7 +102,7 @@ def test_generate_returns_prompt_logprobs_equal_to_transformers(family, family_d
     and each sampled token's logprob as the trainer scores it."""
     path = family_dir(family)
     server = serve(make_engine(path=path, max_prefill_tokens=16))
-    prompts = _prompts(2, server.engine.vocab_size, (20, 45), seed=5)
+    prompts = random_prompts(2, server.engine.vocab_size, (20, 45), seed=5)
     sampling = {"temperature": 1.0, "seed": 3, "max_tokens": 6, "ignore_eos": True, "prompt_logprobs": 2}
     body = {"prompt_token_ids": prompts, "sampling": sampling}
     response = GenerateResponse.model_validate_json(httpx.post(f"{server.url}/generate", json=body).content)
@@ -173,7 +157,7 @@ def test_cuda_graphs_give_the_eager_tokens(family, family_dir):
 
     path = family_dir(family)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = _prompts(6, tok.vocab_size, (3, 50), seed=0)
+    prompts = random_prompts(6, tok.vocab_size, (3, 50), seed=0)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = {}
     for graphs in (False, True):

@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from support.inference import random_prompts
 from tandem.inference.engine import Engine
 from tandem.inference.outputs import Collector
 from tandem.inference.protocol import SamplingParams
@@ -22,10 +23,7 @@ def _engine(make_engine, **overrides) -> Engine:
 
 
 def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (count,), generator=g)
-    ]
+    return random_prompts(count, vocab, (3, 30), seed)
 
 
 def _serve(engine: Engine, jobs: list[tuple[list[int], SamplingParams, int]]) -> list[list[tuple]]:

@@ -9,11 +9,12 @@ import importlib.util
 import pytest
 import torch
 
+from support.inference import trainer_logprobs
 from support.jsonl import read_metrics
 from support.lora import adapted_model
 from support.runs import tandem_rl, write_rl_sources
 from support.vllm_server import ADMIN, PROMPTS, TOKEN, VLLM_TINY, VllmServer
-from tandem.models import IGNORE_INDEX, load_model
+from tandem.models import load_model
 from tandem.models.lora import LoraArgs, apply_lora, save_adapter
 
 pytestmark = [
@@ -29,15 +30,6 @@ ARGS = LoraArgs(rank=8, alpha=16, target_modules=("q_proj", "v_proj", "o_proj", 
 
 def _adapted(path, seed: int):
     return adapted_model(path, ARGS, seed)
-
-
-def _scores(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The trainer's logprobs of `tokens` after `prompt`."""
-    ids = torch.tensor([prompt + tokens])
-    targets = torch.full_like(ids, IGNORE_INDEX)
-    targets[0, len(prompt) - 1 : -1] = torch.tensor(tokens)
-    with torch.no_grad():
-        return model(ids, targets=targets).logprobs[0, len(prompt) - 1 : -1].double()
 
 
 def test_adapter_and_base_are_served_and_the_adapter_is_replaced_in_place(tiny_model_dir, tmp_path):
@@ -61,7 +53,7 @@ def test_adapter_and_base_are_served_and_the_adapter_is_replaced_in_place(tiny_m
                 for prompt, output in zip(PROMPTS[:3], reply.json()["outputs"], strict=True):
                     sample = output["samples"][0]
                     q = torch.tensor(sample["logprobs"], dtype=torch.float64)
-                    p = _scores(model, prompt, sample["token_ids"])
+                    p = trainer_logprobs(model, prompt, sample["token_ids"])
                     assert (p - q).abs().max() < 1e-3, (name, version, (p - q).abs().max())
 
         check(1)

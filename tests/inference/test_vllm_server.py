@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.inference import SEQ_LEN
+from support.inference import SEQ_LEN, trainer_logprobs
 from support.vllm_server import ADMIN, PROMPTS, TOKEN, VLLM_TINY, VllmServer
 from tandem.inference.protocol import SamplingParams
-from tandem.models import IGNORE_INDEX, load_model
+from tandem.models import load_model
 from tandem.run import log_tail
 from tandem.testing import write_tiny_model
 
@@ -94,13 +94,9 @@ def test_vllm_logprobs_match_the_trainers_recomputation(server, model, temperatu
     diffs = []
     for prompt, output in zip(PROMPTS, response.outputs, strict=True):
         for sample in output.samples:
-            ids = torch.tensor([prompt + sample.token_ids])
-            targets = torch.full_like(ids, IGNORE_INDEX)
-            targets[0, len(prompt) - 1 : -1] = torch.tensor(sample.token_ids)
-            with torch.no_grad():
-                recomputed = trainer(ids, targets=targets, temperature=temperature, with_entropy=False).logprobs
-            diffs.append(recomputed[0, len(prompt) - 1 : -1] - torch.tensor(sample.logprobs))
-    log_ratio = torch.cat(diffs).double()
+            recomputed = trainer_logprobs(trainer, prompt, sample.token_ids, temperature)
+            diffs.append(recomputed - torch.tensor(sample.logprobs).double())
+    log_ratio = torch.cat(diffs)
     kl = (log_ratio.exp() - 1 - log_ratio).mean().item()
     print(f"\nvLLM vs trainer at T={temperature}: mismatch KL {kl:.3g} over {log_ratio.numel()} tokens, max |Δ logprob| "
           f"{log_ratio.abs().max().item():.3g}")  # fmt: skip

@@ -1,4 +1,5 @@
-"""What the inference tests share: engine configs, the inference server on a thread, a toolchain guard."""
+"""What the inference tests share: engine configs, the inference server on a thread, a toolchain guard, random
+prompts, and the trainer's scoring of what an engine sampled (the RL mismatch check)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from support.servers import AppThread
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
+from tandem.inference.kept_ids import decode_kept_matrix
 from tandem.inference.server import InferenceServer
+from tandem.models import IGNORE_INDEX
 
 SEQ_LEN = 256
 
@@ -39,3 +43,38 @@ def skip_without_inductor_toolchain() -> Iterator[None]:
         if any(s in text for s in ("CppCompileError", "InvalidCxxCompiler", "cc1plus", "C++ compiler")):
             pytest.skip(f"inductor toolchain unavailable: {type(error).__name__}")
         raise
+
+
+def random_prompts(count: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    """`count` prompts of random ids in [3, vocab) (above the tiny models' special tokens), their lengths drawn
+    from `lengths` (a half-open range)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(*lengths, (count,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
+
+
+def trainer_logprobs(
+    model: torch.nn.Module,
+    prompt: list[int],
+    tokens: list[int],
+    temperature: float = 1.0,
+    encoded_kept_ids: list | None = None,
+) -> torch.Tensor:
+    """The RL trainer's scoring of `tokens` sampled after `prompt` (fp64 `[len(tokens)]`): a teacher-forced forward
+    of `model` at the sampling temperature, over each token's kept ids when sampling truncated (a sample's
+    `encoded_kept_ids`; None: the whole vocabulary)."""
+    ids = torch.tensor(prompt + tokens)
+    targets = ids[1:].clone()
+    targets[: len(prompt) - 1] = IGNORE_INDEX
+    kept = encoded_kept_ids if encoded_kept_ids is not None else [None] * len(tokens)
+    kept_matrix = torch.tensor(decode_kept_matrix([None] * (len(prompt) - 1) + kept))
+    with torch.no_grad():
+        out = model(ids[None, :-1], targets=targets[None], temperature=temperature, kept_matrix=kept_matrix[None])
+    return out.logprobs[0, len(prompt) - 1 :].double()
+
+
+def assert_on_policy(diffs: list[torch.Tensor]) -> None:
+    """Trainer minus engine logprobs of every sampled token: mismatch KL (k3) < 1e-6 and every token within 1e-4."""
+    d = torch.cat(diffs)
+    kl = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(inference || trainer)
+    assert kl < 1e-6 and d.abs().max() < 1e-4, f"mismatch KL {kl:.2e}, max |diff| {d.abs().max():.2e}"
