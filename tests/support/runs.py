@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from support.jsonl import read_jsonl, read_metrics
+from support.model_parity import disk_tensors
 from tandem.testing.progress import run_while_progressing
 
 
@@ -88,3 +90,23 @@ def write_rl_sources(folder: Path, env_id: str = "reverse_text") -> str:
         '[[orchestrator.eval.source]]\nid = "arithmetic"\nargs = { num_tasks = 3 }\nsampling = { max_tokens = 8 }\n'
     )
     return str(path)
+
+
+def two_on_policy_rl_steps(model_dir: Path, out: Path, *flags: str) -> tuple[dict[str, torch.Tensor], ...]:
+    """`tandem rl` for two steps at async_level 0 on reverse_text (16-token replies, every group trained, no eval),
+    checking what any such run shows: two trainer steps, step 2 sampled by the policy of step 1, and a mismatch KL
+    below 1e-3 (each batch is sampled by the weights the trainer holds, so it is numerical only). Returns the
+    weights of `model_dir` and of the final policy, by Hugging Face name."""
+    sources = out / "sources.toml"
+    sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\nsampling = { max_tokens = 16 }\n')
+    tandem_rl(
+        model_dir, out, "@", str(sources), "--max-steps", "2", "--orchestrator.async-level", "0",
+        "--orchestrator.no-filter-zero-advantage", "--orchestrator.eval.interval", "0", *flags,
+    )  # fmt: skip
+    run_dir = out / "rl"
+    trainer = read_metrics(run_dir)
+    rollouts = read_jsonl(run_dir / "orchestrator_metrics.jsonl")
+    assert [r["step"] for r in trainer] == [r["step"] for r in rollouts] == [1, 2]
+    assert [r["policy_version"] for r in rollouts] == [0, 1]  # step 2 was sampled by the policy of step 1
+    assert all(r["mismatch_kl"] is not None and abs(r["mismatch_kl"]) < 1e-3 for r in trainer), trainer
+    return disk_tensors(model_dir), disk_tensors(run_dir / "policies" / "step-000002")
