@@ -22,7 +22,7 @@ from tandem.config.inference import InferenceConfig
 from tandem.inference.startup import Terminated, stop_on_sigterm
 from tandem.inference.vllm.routes import SETTINGS_ENV, RouteSettings
 from tandem.models import build_model, model_args
-from tandem.models.lora import LoraArgs, adapter_state_dict, apply_lora, write_adapter
+from tandem.models.lora import LoraArgs, adapter_state_dict, apply_lora, lora_modules, write_adapter
 from tandem.run import prepare_run_dir
 
 logger = logging.getLogger(__name__)
@@ -90,17 +90,14 @@ def served_adapter(config: InferenceConfig, model_dir: Path, lora: LoraArgs, run
 def write_starting_adapter(path: Path, model_dir: Path, lora: LoraArgs) -> Path:
     """A PEFT adapter of `lora`'s shape for the model at `model_dir` that leaves it unchanged: A as PEFT
     initialises it (seed 0), B zero, as the trainer's adapters start."""
-    model = build_model(model_args(model_dir), device="meta")
+    model = build_model(model_args(model_dir), device="meta")  # the base stays on meta: only adapters are made
     apply_lora(model, lora)
     generator = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, meta in adapter_state_dict(model).items():
-        if ".lora_A." in name:
-            bound = 1.0 / meta.shape[1] ** 0.5
-            tensors[name] = torch.empty(meta.shape).uniform_(-bound, bound, generator=generator)
-        else:
-            tensors[name] = torch.zeros(meta.shape)
-    return write_adapter(path, tensors, lora, base_model_name=str(model_dir))
+    for _, module in lora_modules(model):
+        module.lora_A.to_empty(device="cpu")
+        module.lora_B.to_empty(device="cpu")
+        module.reset_lora_parameters(generator)
+    return write_adapter(path, adapter_state_dict(model), lora, base_model_name=str(model_dir))
 
 
 def serve(config: InferenceConfig, model_dir: Path, admin_token: str | None, lora: LoraArgs | None = None) -> int:
