@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from support.jsonl import read_metrics
 from support.reverse_text import held_out_rl, mixed_start
-from support.runs import tandem_rl, write_rl_sources
+from support.runs import tandem_rl, two_on_policy_rl_steps, write_rl_sources
 from tandem.models.lora import is_adapter_name
 
 LORA = ["--model.lora.rank", "8", "--model.lora.alpha", "16", "--model.lora.target-modules", "q_proj", "v_proj", "down_proj"]  # fmt: skip
@@ -57,3 +57,17 @@ def test_rl_with_lora_chooses_the_rewarded_answer(tmp_path):
     print(f"LoRA: held-out greedy reward by eval: {held_out}")
     assert held_out[1] > held_out[0] + 0.1, held_out
     assert (run / "policies" / "step-000040" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow  # ~20 s on 2 CPU cores; tests/inference/test_lora_engine.py serves expert adapters in-process
+def test_rl_with_expert_adapters_hands_off_and_stays_on_policy(tiny_model_dir, tmp_path):
+    """`--model.lora.experts` on a Qwen3-MoE: the expert adapters train, travel in the hand-off (shared) and are
+    served folded into the engine's stacked expert weights, on policy at every step."""
+    base = tiny_model_dir("qwen3_moe")
+    experts = ["--model.lora.experts", "--trainer.optim.lr", "1e-2", "--trainer.weights.transport", "shared"]
+    _, policy = two_on_policy_rl_steps(base, tmp_path, *LORA, *experts)
+    run = tmp_path / "rl"
+    assert all(abs(r["mismatch_kl"]) < 1e-6 for r in read_metrics(run)), read_metrics(run)
+    expert_keys = [key for key in policy if ".mlp.experts." in key]
+    assert len(expert_keys) == 2 * 2 * 2  # (A, B) x (gate_up_proj, down_proj) x 2 layers
+    assert any(policy[key].abs().max() > 0 for key in expert_keys if "lora_B" in key)  # they trained

@@ -10,6 +10,7 @@ import torch
 
 from support.hybrid_models import QWEN3_NEXT
 from tandem.config import ConfigError
+from tandem.config.common import LoraConfig
 from tandem.config.rl import RlConfig
 from tandem.inference.kv_budget import state_bytes
 from tandem.models import build_model, model_args
@@ -107,6 +108,7 @@ def test_lora_counts_adapters_as_trained_and_the_folded_copy_on_the_server(shape
     """LoRA rank 16 on Qwen3-1.7B: the trainer holds the bf16 base once plus fp32 adapters with their gradients and
     AdamW state (~4 GiB, not full fine-tuning's ~27 GiB) and hands off only adapters; a folding server holds one
     more copy of the adapted weights (every projection: most of the model besides the embedding)."""
+
     def config(**model) -> RlConfig:
         model = {"name": str(shapes["1.7b"]), "dtype": "bfloat16", **model}
         return RlConfig.model_validate({"model": model, "seq_len": 4096, "run_name": "rl"})
@@ -124,6 +126,19 @@ def test_lora_counts_adapters_as_trained_and_the_folded_copy_on_the_server(shape
         "inference": adapted.inference.model_copy(update={"lora_fold": False})}))  # fmt: skip
     assert folded.weights - unmerged.weights == 2 * counts.adapted
     assert unmerged.weights == 2 * counts.base + 4 * counts.adapters
+
+
+def test_expert_adapters_count_each_experts_pair_and_stack(tiny_model_dir):
+    """`model.lora.experts` on a Qwen3-MoE: the adapters add one rank-r pair per expert on both stacked
+    projections, and a folding server keeps a copy of the stacks too."""
+    args = model_args(tiny_model_dir("qwen3_moe"))
+    lora = {"rank": 4, "target_modules": ["q_proj"]}
+    plain, experts = (
+        parameter_counts(args, LoraConfig.model_validate({**lora, "experts": on})) for on in (False, True)
+    )
+    e, h, i, layers = args.moe.num_experts, args.hidden_size, args.moe.intermediate_size, len(args.moe.layers)
+    assert experts.adapters - plain.adapters == layers * e * 4 * ((h + 2 * i) + (i + h))
+    assert experts.adapted - plain.adapted == layers * e * 3 * h * i
 
 
 def test_a_utilisation_the_user_set_wins_and_is_checked(shapes):

@@ -65,10 +65,9 @@ def run(config: MergeLoraConfig) -> int:
     merge_lora(model)
     save_model(model, config.out, dtype=dtype, tokenizer_dir=base)
     logger.info(
-        "merged adapter %s (rank %d on %s) into %s: %s (%s)",
+        "merged adapter %s (%s) into %s: %s (%s)",
         config.adapter,
-        lora.rank,
-        ", ".join(lora.target_modules),
+        lora,
         base,
         config.out,
         str(dtype).removeprefix("torch."),

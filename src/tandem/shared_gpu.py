@@ -170,9 +170,9 @@ def parameter_counts(args: ModelArgs, lora: LoraConfig) -> ParameterCounts:
     base = sum(p.numel() for p in model.parameters())
     if not lora.enabled:
         return ParameterCounts(base)
-    apply_lora(model, LoraArgs(lora.rank, lora.alpha, 0.0, tuple(lora.target_modules)))
+    apply_lora(model, LoraArgs.of(lora, dropout=0.0))
     adapters = sum(p.numel() for p in lora_parameters(model))
-    return ParameterCounts(base, adapters, sum(module.weight.numel() for _, module in lora_modules(model)))
+    return ParameterCounts(base, adapters, sum(module.adapted_numel() for _, module in lora_modules(model)))
 
 
 def activation_bytes_per_token(args: ModelArgs, checkpointing: str, compiled: bool = False) -> float:

@@ -103,6 +103,10 @@ def test_a_bad_adapter_directory_is_a_config_error_before_loading(model_dir, tmp
         lora_to_serve(engine_config(base, lora_adapter=tmp_path / "fits", model=lora), base)
     with pytest.raises(ValueError, match="lora_fold = true is the built-in engine's"):
         engine_config(base, engine="vllm", lora_adapter=tmp_path / "fits", lora_fold=True)
+    with pytest.raises(ConfigError, match=r"model\.lora: LoRA on routed experts .* needs an MoE model"):
+        lora_to_serve(engine_config(base, model={"name": str(base), "lora": {"rank": 4, "experts": True}}), base)
+    with pytest.raises(ValueError, match="served by the built-in engine only"):
+        engine_config(base, engine="vllm", model={"name": str(base), "lora": {"rank": 4, "experts": True}})
 
 
 def _join(server: ServerThread, sender) -> None:
@@ -236,3 +240,31 @@ def test_the_openai_api_serves_base_and_adapter_by_name(model_dir, tokenizer, tm
             client.completions.create(model="other", prompt=prompt, max_tokens=1)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "side-by-side"])
+def test_expert_adapters_are_served_as_the_trainer_scores_them(fold, model_dir, tokenizer, tmp_path, engines):
+    """Adapters on routed experts (`model.lora.experts`): folded into the stacked expert weights, or run as thin
+    grouped matmuls gated per row beside the base model; a file hand-off swaps them (and folds them again)."""
+    base = model_dir("qwen3_moe")
+    args = LoraArgs(rank=4, alpha=8, target_modules=("q_proj",), experts=True)
+    first, trained = (adapted_model(base, args, seed) for seed in (1, 2))
+    adapter = save_adapter(first, tmp_path / "experts", base_model_name=str(base))
+    engines.append(engine := _engine(base, tokenizer, lora_adapter=adapter, lora_fold=fold))
+    server = ServerThread(engine, tokenizer, tmp_path)
+    try:
+        path = save_adapter(trained, tmp_path / "policy-1", base_model_name=str(base))
+        answer = httpx.post(f"{server.url}/update_weights", json={"path": str(path), "version": 1}, timeout=60)
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()
+    prompt = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+    plain = load_model(base, dtype=torch.float32, device="cpu")
+    models, adapters = ([trained], None) if fold else ([trained, plain], [True, False])
+    samples = engine.generate([prompt] * len(models), params, adapters=adapters)
+    for model, (sample,) in zip(models, samples, strict=True):
+        q = torch.tensor(sample.logprobs, dtype=torch.float64)
+        assert (trainer_logprobs(model, prompt, sample.token_ids) - q).abs().max() < 1e-5
+    (sample,) = samples[0]
+    assert (trainer_logprobs(plain, prompt, sample.token_ids) - torch.tensor(sample.logprobs)).abs().max() > 1e-3

@@ -61,19 +61,25 @@ def test_lora_sft_trains_adapters_only_and_exports_a_peft_adapter(tiny_model_dir
 
 
 @pytest.mark.slow
-def test_lora_resume_on_two_ranks_continues_exactly(tiny_model_dir, reverse_text_jsonl, tmp_path):
-    """FSDP2 over 2 gloo ranks with bf16 frozen base weights and fp32 adapters, dropout on (the RNG is restored):
-    resuming from step 2 repeats steps 3..6 exactly."""
-    model_dir = tiny_model_dir("llama", initializer_range=INIT_STD)
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [("llama", ["--model.lora.dropout", "0.1"]), ("qwen3_moe", ["--model.lora.experts"])],
+    ids=["dropout", "moe-experts"],
+)
+def test_lora_resume_on_two_ranks_continues_exactly(arch, extra, tiny_model_dir, reverse_text_jsonl, tmp_path):
+    """FSDP2 over 2 gloo ranks with bf16 frozen base weights and fp32 adapters, with dropout on (the RNG is
+    restored) or with adapters on the routed experts: resuming from step 2 repeats steps 3..6 exactly."""
+    model_dir = tiny_model_dir(arch, initializer_range=INIT_STD)
     flags = [
         *sft_flags(model_dir, reverse_text_jsonl, tmp_path, "run"), "--model.dtype", "bfloat16", "--max-steps", "6",
-        "--ckpt.interval", "2", "--ckpt.keep", "5", "--deploy.nproc", "2", *LORA, "--model.lora.dropout", "0.1",
+        "--ckpt.interval", "2", "--ckpt.keep", "5", "--deploy.nproc", "2", *LORA, *extra,
     ]  # fmt: skip
     tandem_sft(*flags)
     straight = [m["loss"] for m in read_metrics(tmp_path / "run")]
     adapter = tmp_path / "run" / "hf" / "final" / "adapter_model.safetensors"
     with safe_open(str(adapter), "pt") as handle:
         before = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+    assert any(".mlp.experts." in key for key in before) == ("--model.lora.experts" in extra)
     tandem_sft(*flags, "--resume.step", "2")
     resumed = read_metrics(tmp_path / "run")
     assert [m["step"] for m in resumed] == list(range(1, 7))
@@ -100,3 +106,9 @@ def test_lora_config_mistakes_are_config_errors(tiny_model_dir, reverse_text_jso
     result = tandem_sft(*flags, "--model.lora.rank", "4", "--model.lora.target-modules", "q_proj", "qkv", check=False)
     assert result.returncode == 2 and "valid: q_proj, k_proj" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "bad").exists()  # refused before the run directory or the model exists
+    result = tandem_sft(
+        *flags, "--model.lora.rank", "4", "--model.lora.experts", "--model.lora.dropout", "0.1", check=False
+    )
+    assert result.returncode == 2 and "set dropout = 0 with experts = true" in result.stderr
+    result = tandem_sft(*flags, "--model.lora.rank", "4", "--model.lora.experts", check=False)  # a dense model
+    assert result.returncode == 2 and "needs an MoE model" in result.stderr and "Traceback" not in result.stderr

@@ -32,7 +32,7 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
     """Projections to adapt, by Hugging Face name (default: every attention and MLP projection): any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
     experts: bool = False
-    """Adapters on the routed experts of MoE layers too (not implemented: only false is accepted; shared experts and dense MLPs are adapted by gate_proj/up_proj/down_proj)."""
+    """Adapters on the routed experts of MoE layers too: a rank-r pair per expert on each stacked projection (PEFT's `target_parameters` experts.gate_up_proj / experts.down_proj). Shared experts and dense MLPs are adapted by gate_proj/up_proj/down_proj either way."""
 
     @field_validator("target_modules")
     @classmethod
@@ -44,15 +44,14 @@ class LoraConfig(Section):
             raise ValueError(f"name at least one LoRA target of: {', '.join(LORA_TARGETS)}")
         return list(dict.fromkeys(value))
 
-    @field_validator("experts")
-    @classmethod
-    def _no_expert_adapters(cls, value: bool) -> bool:
-        if value:
+    @model_validator(mode="after")
+    def _no_dropout_on_experts(self) -> LoraConfig:
+        if self.experts and self.dropout:
             raise ValueError(
-                "adapters on routed MoE experts are not implemented; set it to false (attention, dense MLPs and "
-                "shared experts are still adapted)"
+                "dropout applies to an adapter's input, which routed experts' adapters share with their stacked "
+                "weights (PEFT refuses it there too): set dropout = 0 with experts = true"
             )
-        return value
+        return self
 
     @property
     def enabled(self) -> bool:

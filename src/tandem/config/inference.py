@@ -81,4 +81,9 @@ class InferenceConfig(RunConfig):
             raise ValueError(
                 "lora_fold = true is the built-in engine's: vLLM serves LoRA adapters with its own kernels, unfolded"
             )
+        if self.engine == "vllm" and self.model.lora.experts:
+            raise ValueError(
+                "model.lora.experts = true (adapters on routed experts) is served by the built-in engine only; "
+                'use inference.engine = "builtin" or model.lora.experts = false'
+            )
         return self

@@ -107,24 +107,21 @@ def lora_to_serve(config: InferenceConfig, model_dir: Path) -> LoraArgs | None:
     section = config.model.lora
     wanted = None
     if section.enabled:
-        wanted = LoraArgs(section.rank, section.alpha, 0.0, tuple(section.target_modules))
+        wanted = LoraArgs.of(section, dropout=0.0)
     if config.lora_adapter is None:
+        if wanted is not None:
+            try:
+                apply_lora(build_model(model_dir, device="meta"), wanted)
+            except LoraError as error:
+                raise ConfigError(f"model.lora: {error}") from None
         return wanted
     path = Path(config.lora_adapter).expanduser()
     try:
         args, tensors = read_adapter(path)
     except LoraError as error:
         raise ConfigError(f"inference.lora_adapter: {error}") from None
-    if wanted is not None and (wanted.rank, wanted.alpha, set(wanted.target_modules)) != (
-        args.rank,
-        args.alpha,
-        set(args.target_modules),
-    ):
-        raise ConfigError(
-            f"inference.lora_adapter {path} has rank {args.rank}, alpha {args.alpha:g} on "
-            f"{list(args.target_modules)}; model.lora asks for rank {wanted.rank}, alpha {wanted.alpha:g} on "
-            f"{list(wanted.target_modules)}"
-        )
+    if wanted is not None and wanted.layout != args.layout:
+        raise ConfigError(f"inference.lora_adapter {path} has {args}; model.lora asks for {wanted}")
     skeleton = build_model(model_dir, device="meta")
     try:
         apply_lora(skeleton, args)
@@ -180,7 +177,7 @@ def load_served_model(
     if folded:
         fold_adapters(model)
     how = "folded into the weights" if folded else "unfolded, the base model served beside them"
-    logger.info("LoRA adapters: rank %d on %s, %s", lora.rank, ", ".join(lora.target_modules), how)
+    logger.info("LoRA adapters: %s, %s", lora, how)
     return model
 
 

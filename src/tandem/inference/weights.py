@@ -136,12 +136,8 @@ def read_served_adapter(path: Path, served: LoraArgs) -> dict[str, torch.Tensor]
         args, peft = read_adapter(path)
     except LoraError as error:
         raise WeightsError(f"cannot load the adapter {path}: {error}") from None
-    offered = (args.rank, args.alpha, set(args.target_modules))
-    if offered != (served.rank, served.alpha, set(served.target_modules)):
-        raise WeightsError(
-            f"{path}: the adapter has rank {args.rank}, alpha {args.alpha:g} on {list(args.target_modules)}; the "
-            f"served adapters rank {served.rank}, alpha {served.alpha:g} on {list(served.target_modules)}"
-        )
+    if args.layout != served.layout:
+        raise WeightsError(f"{path}: the adapter has {args}; the served adapters {served}")
     for name, tensor in peft.items():
         _check_finite(path, name, tensor)
     return peft

@@ -10,8 +10,10 @@ itself. Each pair maps 1:1 to PEFT's `<hf module>.lora_A/B.weight`, and only tar
 
 with `scale = alpha / rank`, A kaiming-uniform(a=sqrt(5)) and B zeros, as PEFT initialises them. Adapter
 parameters are fp32 and named `<module>.lora_A.<hf projection>.weight` (`layers.0.self_attn.qkv_proj.lora_A.q_proj
-.weight`); the base weights are frozen (`requires_grad=False`). Routed MoE experts (stacked parameters) are never
-adapted; dense MLPs and shared experts are.
+.weight`); the base weights are frozen (`requires_grad=False`). Dense MLPs and shared experts are adapted by the
+same names; routed MoE experts only with `LoraArgs.experts`: the stacked `Experts` become `LoraExperts`, one
+low-rank pair per expert on each stacked projection, stored as PEFT's `target_parameters` stores them
+(`experts.lora_A.gate_up_proj` `[E * r, H]`, PEFT's `mlp.experts.base_layer.lora_A.weight`).
 
 Functions: `apply_lora`, `lora_args`, `lora_parameters`, `adapter_state_dict`, `is_adapter_name`, `peft_key`,
 `to_peft_state_dict`, `from_peft_state_dict`, `peft_config`, `save_adapter`, `write_adapter`, `read_adapter`,
@@ -37,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import _remove_interrupted_saves, _replace_dir
+from .layers.moe import Experts, LowRank
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Hugging Face projection names adapters may target."""
@@ -50,6 +53,10 @@ PEFT_VERSION = "0.21.2"
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.)")
 _ADAPTER = re.compile(r"^(?P<module>.+)\.(?P<runtime>[^.]+)\.lora_(?P<ab>[AB])\.(?P<proj>[^.]+)\.weight$")
+_EXPERT_ADAPTER = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<param>gate_up_proj|up_proj|down_proj)$")
+EXPERT_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
+"""The stacked expert parameters expert adapters go on (PEFT `target_parameters` `experts.<name>`): the first
+projection (`gate_up_proj`, or `up_proj` for ungated experts) and `down_proj`, always both."""
 
 
 class LoraError(ValueError):
@@ -64,20 +71,45 @@ class LoraArgs:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = LORA_TARGETS
+    experts: bool = False
+    """Adapters on the routed experts' stacked projections too (`LoraExperts`)."""
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
             raise LoraError(f"LoRA rank must be positive, got {self.rank}")
         unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
-        if unknown or not self.target_modules:
+        if unknown or not (self.target_modules or self.experts):
             raise LoraError(f"unknown LoRA targets {unknown}; valid: {', '.join(LORA_TARGETS)}")
         if not 0 <= self.dropout < 1:
             raise LoraError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.experts and self.dropout:
+            raise LoraError("LoRA dropout does not run on routed experts' adapters (nor in PEFT): set it to 0")
         object.__setattr__(self, "target_modules", tuple(dict.fromkeys(self.target_modules)))
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, section: Any, *, dropout: float | None = None) -> LoraArgs:
+        """From a `[model.lora]` config section (anything with its fields); `dropout` overrides its own (a server
+        runs adapters without dropout)."""
+        return cls(
+            rank=section.rank,
+            alpha=section.alpha,
+            dropout=section.dropout if dropout is None else dropout,
+            target_modules=tuple(section.target_modules),
+            experts=section.experts,
+        )
+
+    @property
+    def layout(self) -> tuple[int, float, frozenset[str], bool]:
+        """What two adapters must share to replace one another: rank, alpha, targets."""
+        return self.rank, self.alpha, frozenset(self.target_modules), self.experts
+
+    def __str__(self) -> str:
+        experts = " and the routed experts" if self.experts else ""
+        return f"rank {self.rank}, alpha {self.alpha:g} on {', '.join(self.target_modules)}{experts}"
 
 
 class LoraLinear(nn.Linear):
@@ -148,9 +180,114 @@ class LoraLinear(nn.Linear):
                 self.weight[start : start + size].copy_(rows)
             start += size
 
+    def fold(self) -> None:
+        """Serve folded: `weight` = kept base + adapters (`fold_adapters`)."""
+        if self.folded_base is None:
+            self.folded_base = self.weight.detach().clone()
+        self.fold_into_weight(self.folded_base)
+
+    def merged(self) -> nn.Linear:
+        """A plain `nn.Linear` on this module's weight with the adapters folded in (`merge_lora`)."""
+        self.fold_into_weight(self.weight if self.folded_base is None else self.folded_base)
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight = self.weight
+        plain.register_parameter("bias", self.bias)
+        return plain
+
+    def adapted_numel(self) -> int:
+        """Elements of the base weight the adapters change (what a folding server keeps a copy of)."""
+        return self.weight.numel()
+
     def extra_repr(self) -> str:
         adapted = [self.names[i] for i in self.targeted]
         return f"{super().extra_repr()}, lora_rank={self.lora.rank}, adapted={adapted}"
+
+
+class LoraExperts(Experts):
+    """Routed experts (the same stacked Parameters as the `Experts` it replaces) with one low-rank pair per expert on
+    each stacked projection p, laid out as PEFT's `target_parameters` LoRA lays them out, so they save and load 1:1:
+    `lora_A[p]` `[E * r, in]` (expert e's A is rows e*r..(e+1)*r) and `lora_B[p]` `[out, r * E]` (column k*E + e is
+    rank k of expert e). Expert e's projection is `W[e] + scale * B_e @ A_e`; the MoE backends add it as two thin
+    grouped matmuls (`LowRank`), never materialising the sum, unless the adapters are folded for serving."""
+
+    def __init__(self, base: Experts, args: LoraArgs) -> None:
+        nn.Module.__init__(self)
+        self.activation = base.activation
+        for name, param in base.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self.lora = args
+        self.folded_base: dict[str, torch.Tensor] | None = None
+        """The stacked base weights, kept while the adapters are folded into them for serving (`fold_adapters`)."""
+        self.row_gates: torch.Tensor | None = None
+        """Serving base and adapter side by side (`route_adapters`): one gate per input token, as `LoraLinear`'s."""
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        for name in self.projections:
+            experts, rows, columns = getattr(self, name).shape
+            like = {"device": getattr(self, name).device, "dtype": torch.float32}
+            self.lora_A[name] = nn.Parameter(torch.zeros(experts * args.rank, columns, **like))
+            self.lora_B[name] = nn.Parameter(torch.zeros(rows, args.rank * experts, **like))
+
+    @torch.no_grad()
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """PEFT's init for a targeted parameter: A as `nn.Linear(in, r * E)`'s kaiming-uniform, B zeros."""
+        for name in self.projections:
+            weight = self.lora_A[name]
+            bound = 1.0 / math.sqrt(weight.shape[1])
+            weight.uniform_(-bound, bound, generator=generator)
+            self.lora_B[name].zero_()
+
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projection `name`'s (A `[E, r, in]`, B `[E, out, r]`), views of the stored adapters (B made contiguous)."""
+        experts = getattr(self, name).shape[0]
+        a = self.lora_A[name].view(experts, self.lora.rank, -1)
+        b = self.lora_B[name].view(-1, self.lora.rank, experts).permute(2, 0, 1).contiguous()
+        return a, b
+
+    def low_rank(self, tokens: int) -> LowRank | None:
+        if self.folded_base is not None:  # the weights already hold base + adapters
+            return None
+        first, second = (self.factors(name) for name in self.projections)
+        scale: float | torch.Tensor = self.lora.scale
+        if self.row_gates is not None:
+            scale = self.row_gates[:tokens, None] * self.lora.scale
+        return LowRank(first, second, scale)
+
+    @torch.no_grad()
+    def fold_into_weight(self, base: Mapping[str, torch.Tensor]) -> None:
+        """`W[e] = base[e] + scale * B_e @ A_e` for every expert and projection, summed in fp32 and rounded once to
+        the weight's dtype, a few experts at a time (never a whole fp32 stack)."""
+        for name in self.projections:
+            weight, (a, b) = getattr(self, name), self.factors(name)
+            for start in range(0, weight.shape[0], 8):
+                part = slice(start, start + 8)
+                delta = torch.bmm(b[part].float(), a[part].float()) * self.lora.scale
+                weight[part].copy_(base[name][part].float() + delta.to(weight.device))
+
+    def fold(self) -> None:
+        if self.folded_base is None:
+            self.folded_base = {name: getattr(self, name).detach().clone() for name in self.projections}
+        self.fold_into_weight(self.folded_base)
+
+    def merged(self) -> Experts:
+        """A plain `Experts` on this module's stacked weights with the adapters folded in (`merge_lora`)."""
+        self.fold_into_weight(self.folded_base or {name: getattr(self, name) for name in self.projections})
+        experts, rows, hidden = self.w1.shape
+        intermediate = rows // 2 if self.activation == "swiglu" else rows
+        with torch.device("meta"):
+            plain = Experts(experts, hidden, intermediate, self.activation)
+        for name in self.projections:
+            setattr(plain, name, getattr(self, name))
+        return plain
+
+    def adapted_numel(self) -> int:
+        return sum(getattr(self, name).numel() for name in self.projections)
+
+    def extra_repr(self) -> str:
+        return f"lora_rank={self.lora.rank}, adapted={list(self.projections)}"
+
+
+LoraModule = LoraLinear | LoraExperts
 
 
 def _segments(parent: nn.Module, leaf: str, module: nn.Linear) -> tuple[tuple[str, int], ...] | None:
@@ -166,36 +303,44 @@ def _segments(parent: nn.Module, leaf: str, module: nn.Linear) -> tuple[tuple[st
 
 
 def apply_lora(model: nn.Module, args: LoraArgs, *, seed: int | None = None) -> list[str]:
-    """Freeze every parameter of `model` and put fp32 adapters on the projections `args.target_modules` names, in
-    place; returns the runtime names of the modules adapted. Call it on a plain `CausalLM` (before activation
-    checkpointing, compile and FSDP). `seed` makes the A init reproducible (B is zero)."""
-    if any(isinstance(m, LoraLinear) for m in model.modules()):
+    """Freeze every parameter of `model` and put fp32 adapters on the projections `args.target_modules` names (and,
+    with `args.experts`, on every routed experts' stack), in place; returns the runtime names of the modules adapted.
+    Call it on a plain `CausalLM` (before activation checkpointing, compile and FSDP). `seed` makes the A init
+    reproducible (B is zero)."""
+    if any(isinstance(m, LoraLinear | LoraExperts) for m in model.modules()):
         raise LoraError("the model already has LoRA adapters")
     for param in model.parameters():
         param.requires_grad_(False)
-    found = []
+    found: list[tuple[str, nn.Module, str, LoraModule]] = []
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name == "lm_head":
-            continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
+        if type(module) is Experts and args.experts:
+            found.append((name, parent, leaf, LoraExperts(module, args)))
+            continue
+        if type(module) is not nn.Linear or name == "lm_head":
+            continue
         segments = _segments(parent, leaf, module)
         if segments and any(s in args.target_modules for s, _ in segments):
             found.append((name, parent, leaf, LoraLinear(module, segments, args)))
+    if args.experts and not any(isinstance(wrapped, LoraExperts) for *_, wrapped in found):
+        raise LoraError("LoRA on routed experts (experts = true) needs an MoE model; this one has no routed experts")
     if not found:
         raise LoraError(f"no projection of this model matches the LoRA targets {list(args.target_modules)}")
     generator = None
     for _, parent, leaf, wrapped in found:
+        device = next(wrapped.parameters()).device
         if generator is None and seed is not None:
-            generator = torch.Generator(wrapped.weight.device).manual_seed(seed)
-        if wrapped.weight.device.type != "meta":
+            generator = torch.Generator(device).manual_seed(seed)
+        if device.type != "meta":
             wrapped.reset_lora_parameters(generator)
         setattr(parent, leaf, wrapped)
     return [name for name, *_ in found]
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
-    return ((name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear))
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraModule]]:
+    """Every adapted module (`LoraLinear`, `LoraExperts`) with its runtime name."""
+    return ((name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear | LoraExperts))
 
 
 def lora_args(model: nn.Module) -> LoraArgs | None:
@@ -225,8 +370,15 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def peft_key(runtime_name: str) -> str:
     """The PEFT key of an adapter tensor: `layers.0.self_attn.qkv_proj.lora_A.q_proj.weight` ->
-    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
-    match = _ADAPTER.match(clean_name(runtime_name))
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. Expert adapters follow PEFT's nesting of two
+    targeted parameters on one module (the first projection, registered first, is wrapped innermost):
+    `layers.0.mlp.experts.lora_A.gate_up_proj` -> `base_model.model.model.layers.0.mlp.experts.base_layer.lora_A
+    .weight`, `...lora_A.down_proj` -> `...mlp.experts.lora_A.weight`."""
+    name = clean_name(runtime_name)
+    if match := _EXPERT_ADAPTER.match(name):
+        inner = "" if match["param"] == "down_proj" else "base_layer."
+        return f"{PEFT_PREFIX}model.{match['module']}.{inner}lora_{match['ab']}.weight"
+    match = _ADAPTER.match(name)
     if match is None:
         raise LoraError(f"{runtime_name} is not an adapter weight name")
     return f"{PEFT_PREFIX}model.{match['module']}.{match['proj']}.lora_{match['ab']}.weight"
@@ -261,9 +413,12 @@ def from_peft_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) 
     return out
 
 
-def peft_config(args: LoraArgs, base_model_name: str = "") -> dict[str, Any]:
+def peft_config(
+    args: LoraArgs, base_model_name: str = "", target_parameters: list[str] | None = None
+) -> dict[str, Any]:
     """`adapter_config.json` as PEFT 0.21 writes it for `LoraConfig(r, lora_alpha, lora_dropout, target_modules,
-    task_type="CAUSAL_LM")` of a saved (inference-mode) PeftModel."""
+    target_parameters, task_type="CAUSAL_LM")` of a saved (inference-mode) PeftModel; `target_parameters` names the
+    adapted expert stacks (`experts.gate_up_proj`, `experts.down_proj`)."""
     alpha = int(args.alpha) if float(args.alpha).is_integer() else args.alpha
     return {
         "alora_invocation_tokens": None,
@@ -299,7 +454,7 @@ def peft_config(args: LoraArgs, base_model_name: str = "") -> dict[str, Any]:
         "rank_pattern": {},
         "revision": None,
         "target_modules": sorted(args.target_modules),
-        "target_parameters": None,
+        "target_parameters": target_parameters or None,
         "task_type": "CAUSAL_LM",
         "trainable_token_indices": None,
         "use_bdlora": None,
@@ -322,12 +477,15 @@ def write_adapter(
     tensors (`adapter_state_dict`, or gathered from FSDP shards), atomically as `save_model` writes."""
     path = Path(path)
     tensors = {key: t.detach().to("cpu", dtype).contiguous().clone() for key, t in to_peft_state_dict(adapters).items()}
+    experts = (_EXPERT_ADAPTER.match(clean_name(name)) for name in adapters)
+    target_parameters = sorted({f"experts.{match['param']}" for match in experts if match})
     _remove_interrupted_saves(path)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config(args, base_model_name), indent=2, sort_keys=True))
+        config = peft_config(args, base_model_name, target_parameters)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -356,11 +514,33 @@ _UNSUPPORTED = {
     "modules_to_save": None,
     "layers_to_transform": None,
     "layer_replication": None,
-    "target_parameters": None,
     "trainable_token_indices": None,
     "use_qalora": False,
     "alora_invocation_tokens": None,
 }
+
+
+def _expert_targets(config_file: Path, target_parameters: object) -> bool:
+    """Whether a PEFT config's `target_parameters` adapt the routed experts (both stacked projections, which is
+    what tandem runs); LoraError for any other parameter target."""
+    if not target_parameters:
+        return False
+    names = target_parameters if isinstance(target_parameters, list) else [target_parameters]
+    params = set()
+    for name in names:
+        module, _, param = str(name).rpartition(".")
+        if param not in EXPERT_PARAMETERS or module.rpartition(".")[2] != "experts":
+            raise LoraError(
+                f"{config_file}: target_parameters {name!r} is not supported; tandem adapts the routed experts' "
+                f"stacked projections ({', '.join('experts.' + p for p in EXPERT_PARAMETERS)})"
+            )
+        params.add(param)
+    if "down_proj" not in params or not params & {"gate_up_proj", "up_proj"}:
+        raise LoraError(
+            f"{config_file}: target_parameters {names} adapt one expert projection; tandem adapts both (the first "
+            "projection and down_proj) or neither"
+        )
+    return True
 
 
 def read_adapter(path: str | Path) -> tuple[LoraArgs, dict[str, torch.Tensor]]:
@@ -383,10 +563,13 @@ def read_adapter(path: str | Path) -> tuple[LoraArgs, dict[str, torch.Tensor]]:
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise LoraError(f"{config_file}: {key} (per-module ranks or alphas) is not supported")
+    experts = _expert_targets(config_file, config.get("target_parameters"))
     targets = config.get("target_modules")
     if isinstance(targets, str):
         targets = list(LORA_TARGETS) if targets == "all-linear" else [targets]
-    if not isinstance(targets, list) or not targets:
+    if experts and not targets:
+        targets = []
+    elif not isinstance(targets, list) or not targets:
         raise LoraError(f"{config_file}: target_modules must be a list of projection names, got {targets!r}")
     if unknown := sorted(set(targets) - set(LORA_TARGETS)):
         raise LoraError(f"{config_file}: targets {unknown} are not supported; tandem adapts {', '.join(LORA_TARGETS)}")
@@ -395,6 +578,7 @@ def read_adapter(path: str | Path) -> tuple[LoraArgs, dict[str, torch.Tensor]]:
         alpha=float(config.get("lora_alpha", 8)),
         dropout=float(config.get("lora_dropout", 0.0)),
         target_modules=tuple(t for t in LORA_TARGETS if t in targets),
+        experts=experts,
     )
     try:
         tensors = load_file(weights)
@@ -411,11 +595,8 @@ def load_peft_adapter(model: nn.Module, path: str | Path) -> LoraArgs:
     current = lora_args(model)
     if current is None:
         apply_lora(model, args)
-    elif (current.rank, set(current.target_modules)) != (args.rank, set(args.target_modules)):
-        raise LoraError(
-            f"adapter {path} has rank {args.rank} on {list(args.target_modules)}; the model's adapters rank "
-            f"{current.rank} on {list(current.target_modules)}"
-        )
+    elif current.layout[0] != args.layout[0] or current.layout[2:] != args.layout[2:]:  # alpha may differ
+        raise LoraError(f"adapter {path} has {args}; the model's adapters {current}")
     params = dict(model.named_parameters())
     by_clean = {clean_name(name): name for name in params if is_adapter_name(name)}
     for name, tensor in from_peft_state_dict(model, tensors).items():
@@ -434,15 +615,10 @@ def load_peft_adapter(model: nn.Module, path: str | Path) -> LoraArgs:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (`W[segment] += scale * B @ A`, summed in fp32 and rounded once to
-    the weight's dtype) and put plain `nn.Linear`s back, in place; returns the model, which then has no adapters."""
+    the weight's dtype) and put the plain modules back, in place; returns the model, which then has no adapters."""
     for name, module in list(lora_modules(model)):
-        weight = module.weight
-        module.fold_into_weight(weight if module.folded_base is None else module.folded_base)
-        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-        plain.weight = weight
-        plain.register_parameter("bias", module.bias)
         parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), leaf, plain)
+        setattr(model.get_submodule(parent_name), leaf, module.merged())
     return model
 
 
@@ -454,9 +630,7 @@ def fold_adapters(model: nn.Module) -> None:
     hand-off): every fold starts from the kept base, so rounding never accumulates. Costs one more copy of the
     adapted weights in memory; the weights keep their storage (CUDA graphs stay valid)."""
     for _, module in lora_modules(model):
-        if module.folded_base is None:
-            module.folded_base = module.weight.detach().clone()
-        module.fold_into_weight(module.folded_base)
+        module.fold()
 
 
 def route_adapters(model: nn.Module, gates: torch.Tensor) -> None:

@@ -134,10 +134,10 @@ def build_training_model(
     `shard=False` (one process only) skips FSDP2 and runs the forward under autocast instead.
     `runtime_extra`: more model runtime options (`tandem.models.RUNTIME_OPTIONS`) from the command's config.
     """
-    read_model_args(config)
+    source_args = read_model_args(config)
     source = Path(config.model.name)
     runtime = runtime_options(config.model, freeze_router_default=config.command == "trainer") | runtime_extra
-    lora = check_lora(config)
+    lora = check_lora(config, source_args)
     # With LoRA the frozen base is held in the compute dtype (no fp32 masters to update); adapters are fp32.
     dtype = DTYPES[config.model.dtype] if lora is not None else torch.float32
     if config.random_init:
@@ -190,27 +190,26 @@ def build_training_model(
         if lora is not None:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             logger.info(
-                "LoRA: rank %d, alpha %g, dropout %g on %s; %.2fM trainable parameters, base frozen in %s",
-                lora.rank,
-                lora.alpha,
+                "LoRA: %s, dropout %g; %.2fM trainable parameters, base frozen in %s",
+                lora,
                 lora.dropout,
-                ", ".join(lora.target_modules),
                 trainable / 1e6,
                 config.model.dtype,
             )
     return model, info
 
 
-def check_lora(config) -> LoraArgs | None:
-    """The `LoraArgs` of `[model.lora]`, or None when it is off; ConfigError for what LoRA does not run with yet."""
+def check_lora(config, args: ModelArgs) -> LoraArgs | None:
+    """The `LoraArgs` of `[model.lora]` for the model `args`, or None when it is off; ConfigError for what LoRA does
+    not run with yet."""
     section = config.model.lora
     if not section.enabled:
         return None
     if config.model.expert_parallel > 1:
         raise ConfigError("model.lora does not run with model.expert_parallel > 1 yet; set model.expert_parallel = 1")
-    return LoraArgs(
-        rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=tuple(section.target_modules)
-    )
+    if section.experts and args.moe is None:
+        raise ConfigError(f"model.lora.experts = true needs an MoE model; {config.model.name} has no routed experts")
+    return LoraArgs.of(section)
 
 
 def export_hf(model: torch.nn.Module, info: ModelInfo, path: Path, world: World, dtype: str) -> None:

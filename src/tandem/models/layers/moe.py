@@ -7,8 +7,9 @@ with a correction bias added and only among the best expert groups, weighted by 
 Expert weights are stacked `[num_experts, ...]` (SwiGLU experts: `gate_up_proj` `[E, 2 * I, H]`, gate rows first;
 Nemotron-H's ungated squared-ReLU experts: `up_proj` `[E, I, H]`; both: `down_proj` `[E, H, I]`), the layout every
 MoE family is converted to at load time. A backend is a function `(x [T, H], weights [T, k], experts [T, k], w1,
-down, activation) -> [T, H]` (w1 the first projection, `activation` an `EXPERT_ACTIVATIONS` name); `MOE_BACKENDS`
-maps names to them so a Triton kernel is one more entry.
+down, activation, low_rank) -> [T, H]` (w1 the first projection, `activation` an `EXPERT_ACTIVATIONS` name,
+`low_rank` the per-expert LoRA terms of adapted experts or None); `MOE_BACKENDS` maps names to them so a Triton
+kernel is one more entry.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +29,31 @@ from .precision import autocast_dtype
 
 logger = logging.getLogger(__name__)
 
-MoEBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
+
+@dataclass(frozen=True)
+class LowRank:
+    """LoRA on routed experts (`tandem.models.lora.LoraExperts`): with `first = (a, b)`, expert e's first projection
+    adds `scale * (h @ a[e].T) @ b[e].T` to `h @ w1[e].T`; `second` does the same for `down`. Each `a` is
+    `[E, r, in]`, each `b` `[E, out, r]`; `scale` is a float, or a `[T, 1]` tensor with one value per token of the
+    MoE's input (serving base and adapter side by side: 0 for the base model's tokens)."""
+
+    first: tuple[torch.Tensor, torch.Tensor]
+    second: tuple[torch.Tensor, torch.Tensor]
+    scale: float | torch.Tensor
+
+    def to(self, dtype: torch.dtype) -> LowRank:
+        first, second = (tuple(t.to(dtype) for t in pair) for pair in (self.first, self.second))
+        scale = self.scale.to(dtype) if isinstance(self.scale, torch.Tensor) else self.scale
+        return LowRank(first, second, scale)  # type: ignore[arg-type]
+
+    def of_rows(self, token: torch.Tensor) -> float | torch.Tensor:
+        """The scale of the rows that hold tokens `token`."""
+        return self.scale[token] if isinstance(self.scale, torch.Tensor) else self.scale
+
+
+MoEBackend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str, LowRank | None], torch.Tensor
+]
 EXPERT_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"swiglu": swiglu, **ACTIVATIONS}
 """What an expert applies to its first projection's output: `swiglu` (gate and up fused, `[.., 2I] -> [.., I]`) or
 an ungated MLP activation (`relu2`, Nemotron-H)."""
@@ -84,19 +110,36 @@ def experts_loop(
     w1: torch.Tensor,
     down: torch.Tensor,
     activation: str = "swiglu",
+    low_rank: LowRank | None = None,
 ) -> torch.Tensor:
     """Reference: for each expert, gather its tokens, run its MLP, scatter-add weighted outputs (like HF).
 
     Token selection has data-dependent shapes, so this backend does not compile with `fullgraph=True`.
     """
     x, weights, w1, down = _in_autocast_dtype(x, weights, w1, down)
+    low_rank = low_rank.to(x.dtype) if low_rank is not None else None
     act = EXPERT_ACTIVATIONS[activation]
     out = torch.zeros_like(x)
+    first, second = (None, None) if low_rank is None else (low_rank.first, low_rank.second)
     for e in range(w1.shape[0]):
         token, slot = torch.where(experts == e)
-        y = F.linear(act(F.linear(x[token], w1[e])), down[e])
+        scale = 0.0 if low_rank is None else low_rank.of_rows(token)
+        hidden = act(_expert_linear(x[token], w1, e, first, scale))
+        y = _expert_linear(hidden, down, e, second, scale)
         out.index_add_(0, token, y * weights[token, slot, None])
     return out
+
+
+def _expert_linear(
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    expert: int,
+    pair: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float | torch.Tensor,
+) -> torch.Tensor:
+    """`rows @ w[expert].T`, plus the expert's LoRA term `scale * (rows @ a[expert].T) @ b[expert].T` if `pair`."""
+    y = F.linear(rows, w[expert])
+    return y if pair is None else y + F.linear(F.linear(rows, pair[0][expert]), pair[1][expert]) * scale
 
 
 def _in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -147,17 +190,29 @@ def experts_grouped_mm(
     w1: torch.Tensor,
     down: torch.Tensor,
     activation: str = "swiglu",
+    low_rank: LowRank | None = None,
 ) -> torch.Tensor:
-    """Sort (token, expert) pairs by expert, run two grouped GEMMs, scatter back. Shapes are static."""
+    """Sort (token, expert) pairs by expert, run two grouped GEMMs (each with two thin ones more for LoRA), scatter
+    back. Shapes are static."""
     x, weights, w1, down = _in_autocast_dtype(x, weights, w1, down)
+    low_rank = low_rank.to(x.dtype) if low_rank is not None else None
     num_experts, k = w1.shape[0], experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     token = order // k
     counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0).to(torch.int32)
-    hidden = EXPERT_ACTIVATIONS[activation](grouped_mm(x[token], w1.transpose(1, 2), offs))
-    y = grouped_mm(hidden, down.transpose(1, 2), offs)
+
+    def project(rows: torch.Tensor, w: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        y = grouped_mm(rows, w.transpose(1, 2), offs)
+        if low_rank is None or pair is None:
+            return y
+        thin = grouped_mm(grouped_mm(rows, pair[0].transpose(1, 2), offs), pair[1].transpose(1, 2), offs)
+        return y + thin * low_rank.of_rows(token)
+
+    first, second = (None, None) if low_rank is None else (low_rank.first, low_rank.second)
+    hidden = EXPERT_ACTIVATIONS[activation](project(x[token], w1, first))
+    y = project(hidden, down, second)
     y = y * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -182,7 +237,16 @@ class Experts(nn.Module):
     @property
     def w1(self) -> nn.Parameter:
         """The first projection: `gate_up_proj` or `up_proj`."""
-        return self.gate_up_proj if self.activation == "swiglu" else self.up_proj
+        return getattr(self, self.projections[0])
+
+    @property
+    def projections(self) -> tuple[str, str]:
+        """The stacked parameters' names, first projection first."""
+        return ("gate_up_proj" if self.activation == "swiglu" else "up_proj", "down_proj")
+
+    def low_rank(self, tokens: int) -> LowRank | None:
+        """The LoRA terms of adapted experts for a forward of `tokens` tokens (`LoraExperts`); None here."""
+        return None
 
 
 class Router(nn.Module):
@@ -304,7 +368,10 @@ class MoE(nn.Module):
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """`[T, H]`: each token's chosen experts, weighted and summed (expert parallelism overrides this)."""
         stacked = self.experts
-        return MOE_BACKENDS[self.backend](x, weights, experts, stacked.w1, stacked.down_proj, stacked.activation)
+        low_rank = stacked.low_rank(x.shape[0])
+        return MOE_BACKENDS[self.backend](
+            x, weights, experts, stacked.w1, stacked.down_proj, stacked.activation, low_rank
+        )
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, freeze_router={self.freeze_router}, balanced_routing={self.balanced_routing}"
