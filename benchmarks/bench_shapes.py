@@ -152,6 +152,73 @@ class DeepSeekV3Shape(Shape):
         }
 
 
+@dataclass(frozen=True, kw_only=True)
+class Qwen3NextShape(Shape):
+    """Qwen3-Next (`Qwen3NextForCausalLM`): every `full_attention_interval`-th layer output-gated GQA attention, the
+    others Gated DeltaNet (`linear_*` heads, a causal conv of `conv_kernel`); every layer's MLP an MoE with a gated
+    shared expert. Inference only (no torchtitan spec)."""
+
+    kv_heads: int
+    head_dim: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    shared_expert_intermediate: int = 0
+
+    titan_spec: ClassVar[str] = ""
+
+    @property
+    def architecture(self) -> str:
+        return "Qwen3NextForCausalLM"
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3_next"
+
+    def family_config(self) -> dict:
+        return {
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "partial_rotary_factor": 0.25,
+            "full_attention_interval": self.full_attention_interval,
+            "linear_num_key_heads": self.linear_key_heads,
+            "linear_num_value_heads": self.linear_value_heads,
+            "linear_key_head_dim": self.linear_key_dim,
+            "linear_value_head_dim": self.linear_value_dim,
+            "linear_conv_kernel_dim": self.conv_kernel,
+            "num_experts": self.experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.expert_intermediate,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+
+
+# Qwen3-Next-80B-A3B, one layer's widths: hidden 2048; attention 16 query / 2 KV heads of 256 (a quarter rotated),
+# every 4th layer; Gated DeltaNet 16 key / 32 value heads of 128; 512 experts of 512, top-10, one shared of 512.
+QWEN3_NEXT = dict(
+    hidden=2048,
+    heads=16,
+    kv_heads=2,
+    head_dim=256,
+    intermediate=5120,
+    vocab=151936,
+    experts=512,
+    top_k=10,
+    expert_intermediate=512,
+    shared_expert_intermediate=512,
+    linear_key_heads=16,
+    linear_value_heads=32,
+    linear_key_dim=128,
+    linear_value_dim=128,
+    rope_theta=1e7,
+)
+
 # Moonlight-16B-A3B (moonshotai; DeepseekV3ForCausalLM, 27 layers), one layer's widths: hidden 2048, 16 heads,
 # q straight from q_proj, latent rank 512, qk 128 + 64 RoPE, v 128; 64 routed experts of 1408, top-6, 2 shared,
 # one group; the first layer dense (11264); sigmoid routing scaled by 2.446; vocab 163840, untied.

@@ -41,16 +41,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import MOONLIGHT, SHAPES, DeepSeekV3Shape, Qwen3Shape, Shape
+from bench_shapes import MOONLIGHT, QWEN3_NEXT, SHAPES, DeepSeekV3Shape, Qwen3NextShape, Qwen3Shape, Shape
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
+from tandem.inference.kv_budget import state_bytes
 from tandem.inference.outputs import RequestUpdate
 from tandem.inference.protocol import SamplingParams
 from tandem.models import build_model
 from tandem.models.layers.moe import Experts
 
+TINY_NEXT = {
+    "hidden": 256, "heads": 4, "head_dim": 64, "intermediate": 512, "vocab": 2048, "experts": 8, "top_k": 2,
+    "expert_intermediate": 128, "shared_expert_intermediate": 128, "linear_key_heads": 2, "linear_value_heads": 4,
+    "linear_key_dim": 64, "linear_value_dim": 64,
+}  # fmt: skip
+"""Qwen3-Next's layout at tiny widths (--smoke)."""
 MODELS: dict[str, Shape] = {
     # Qwen3-0.6B and Qwen3-1.7B exactly (tied embeddings, 28 layers, 16 query / 8 KV heads of 128).
     "qwen3-0.6b": Qwen3Shape(
@@ -60,8 +67,11 @@ MODELS: dict[str, Shape] = {
     # Moonlight-16B-A3B exactly (DeepSeek-V3 architecture, all 27 layers: 16.0B parameters, 3B active; 32 GB in
     # bf16): MLA with a 576-value latent cached per token and layer, 64 experts top-6 + 2 shared.
     "moonlight-16b-a3b": DeepSeekV3Shape(layers=27, **MOONLIGHT),
+    # Qwen3-Next-80B-A3B's layers, 4 of its 48 (3 Gated DeltaNet, 1 attention): 8.0B parameters, 16 GB in bf16.
+    "qwen3-next-80b-a3b-4l": Qwen3NextShape(layers=4, **QWEN3_NEXT),
     "tiny": SHAPES["tiny"],
     "tiny-dsv3": SHAPES["tiny-dsv3"],
+    "tiny-next": Qwen3NextShape(**{**QWEN3_NEXT, **TINY_NEXT}, layers=4),
 }
 BLOCK_SIZE = 16
 
@@ -108,8 +118,10 @@ def roofline_tok_s(model: torch.nn.Module, batch: int, context: float, bandwidth
         experts = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
         weights -= untouched * sum(p.numel() * p.element_size() for p in experts)
     heads, key_dim, value_dim = args.kv_cache_shape
-    kv_per_token = args.num_layers * heads * (key_dim + value_dim) * model.embed_tokens.weight.element_size()
-    step_bytes = weights + batch * context * kv_per_token
+    element = model.embed_tokens.weight.element_size()
+    kv_per_token = len(args.kv_layers) * heads * (key_dim + value_dim) * element
+    state = state_bytes(args, 1, model.embed_tokens.weight.dtype)  # a hybrid's recurrent state, read and written
+    step_bytes = weights + batch * (context * kv_per_token + 2 * state)
     return batch / (step_bytes / bandwidth)
 
 

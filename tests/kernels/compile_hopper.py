@@ -82,7 +82,7 @@ def _launches() -> Iterator[Launch]:
     """Every kernel as the engine and the trainer launch it, at Qwen3-0.6B's shapes, in bf16 (what GPUs run); the
     attention kernels at one row (keys split over programs) and 32 rows, and the one-kernel attention in fp32
     too (the GPU tests run it). Each is (label, the wrapper, its arguments, its keyword arguments)."""
-    from tandem.kernels import decode, gemv, gumbel, rope, swiglu
+    from tandem.kernels import decode, delta_scan, gemv, gumbel, rope, swiglu
 
     heads, kv_heads, dim, hidden, blocks, block_size = 16, 8, 128, 1024, 40, 16
     for dtype, rows in [(torch.bfloat16, 1), (torch.bfloat16, 32), (torch.float32, 1)]:
@@ -136,6 +136,15 @@ def _launches() -> Iterator[Launch]:
             {"swiglu": True, "pdl": True, "config": config},
         )
         yield f"gemv {tile}", gemv.gemv, (x, torch.zeros(2048, hidden, dtype=x.dtype)), {"config": config}
+    # Gated DeltaNet's pass over chunks at Qwen3-Next's widths (32 value heads, dk = dv = 128, chunks of 64), fp32
+    batch_heads, chunks, size, dk = (1, 32), 4, 64, 128
+    u, w = torch.zeros(*batch_heads, chunks, size, dk), torch.zeros(*batch_heads, chunks, size, dk)
+    a, decay = torch.zeros(*batch_heads, chunks, size, size), torch.zeros(*batch_heads, chunks)
+    state = torch.zeros(*batch_heads, dk, dk)
+    saved = (u, w, w, a, w, decay)
+    yield "delta scan forward", delta_scan.scan_forward, (*saved, state), {}
+    states = torch.zeros(*batch_heads, chunks, dk, dk)
+    yield "delta scan backward", delta_scan.scan_backward, (saved, states, u, state), {}
 
 
 def main() -> None:

@@ -88,5 +88,10 @@ def test_trainer_refuses_triton_kernels_without_gpu(monkeypatch):
         kernel_options(torch.device("cpu"), swiglu="triton")
     with pytest.raises(ConfigError, match=r"speed.index_kernel = triton: Triton kernels need CUDA"):
         kernel_options(torch.device("cpu"), index="triton")
-    expected = {"rope_backend": "torch", "swiglu_backend": "torch", "index_backend": "torch"}
+    expected = {
+        "rope_backend": "torch",
+        "swiglu_backend": "torch",
+        "index_backend": "torch",
+        "delta_scan_backend": "torch",
+    }
     assert kernel_options(torch.device("cpu")) == expected

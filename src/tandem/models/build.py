@@ -21,6 +21,7 @@ RUNTIME_OPTIONS = (
     "rope_backend",
     "swiglu_backend",
     "index_backend",
+    "delta_scan_backend",
 )
 
 ModelArgsLike = ModelArgs | Mapping[str, Any] | str | Path
@@ -34,7 +35,8 @@ def model_args(config: ModelArgsLike, **runtime: Any) -> ModelArgs:
     `runtime` sets options HF configs do not have: attn_backend ("auto" | "sdpa" | "flex"), moe_backend
     (a name from `MOE_BACKENDS`, or one per layer), freeze_router, moe_balanced_routing (benchmarks: every
     expert gets the same number of tokens), rope_backend (a name from `ROPE_BACKENDS`), swiglu_backend (a name
-    from `SWIGLU_BACKENDS`), index_backend (a name from `layers.indexer.INDEX_BACKENDS`; DeepSeek-V3.2).
+    from `SWIGLU_BACKENDS`), index_backend (a name from `layers.indexer.INDEX_BACKENDS`; DeepSeek-V3.2), delta_scan_backend (a name from
+    `layers.gated_deltanet.SCAN_BACKENDS`; Gated DeltaNet).
     """
     unknown = set(runtime) - set(RUNTIME_OPTIONS)
     if unknown:

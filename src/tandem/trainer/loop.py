@@ -63,7 +63,13 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def model_runtime(speed: SpeedConfig, device: torch.device) -> dict:
     """The model runtime options the speed switches choose (Triton kernels, benchmark routing)."""
-    kernels = kernel_options(device, rope=speed.rope_kernel, swiglu=speed.swiglu_kernel, index=speed.index_kernel)
+    kernels = kernel_options(
+        device,
+        rope=speed.rope_kernel,
+        swiglu=speed.swiglu_kernel,
+        index=speed.index_kernel,
+        delta_scan=speed.delta_scan_kernel,
+    )
     return {**kernels, "moe_balanced_routing": speed.moe_balanced_routing}
 
 

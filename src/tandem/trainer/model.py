@@ -18,6 +18,7 @@ from tandem.config.common import ModelConfig
 from tandem.kernels import triton_unavailable_reason
 from tandem.models import ModelArgs, build_model, load_model, model_args, save_model
 from tandem.models.checkpoint import INDEX_FILE
+from tandem.models.layers.gated_deltanet import SCAN_BACKENDS
 from tandem.models.layers.indexer import INDEX_BACKENDS
 from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
@@ -49,15 +50,12 @@ def runtime_options(config: ModelConfig, freeze_router_default: bool) -> dict:
 
 
 def kernel_options(
-    device: torch.device, rope: str = "torch", swiglu: str = "torch", index: str = "torch"
+    device: torch.device, rope: str = "torch", swiglu: str = "torch", index: str = "torch", delta_scan: str = "torch"
 ) -> dict[str, str]:
-    """The models' `rope_backend`, `swiglu_backend` and `index_backend` runtime options; the Triton kernels,
-    which models may not import, are registered here."""
-    chosen = [
-        f"speed.{name}_kernel"
-        for name, kernel in (("rope", rope), ("swiglu", swiglu), ("index", index))
-        if kernel == "triton"
-    ]
+    """The models' `rope_backend`, `swiglu_backend`, `index_backend` and `delta_scan_backend` runtime options; the
+    Triton kernels, which models may not import, are registered here."""
+    kernels = {"rope": rope, "swiglu": swiglu, "index": index, "delta_scan": delta_scan}
+    chosen = [f"speed.{name}_kernel" for name, kernel in kernels.items() if kernel == "triton"]
     reason = triton_unavailable_reason(device.type) if chosen else None
     if reason is not None:
         raise ConfigError(f"{' and '.join(chosen)} = triton: {reason}")
@@ -73,7 +71,11 @@ def kernel_options(
         from tandem.kernels.indexer import index_scores_triton
 
         INDEX_BACKENDS[index] = index_scores_triton
-    return {"rope_backend": rope, "swiglu_backend": swiglu, "index_backend": index}
+    if delta_scan == "triton" and delta_scan not in SCAN_BACKENDS:
+        from tandem.kernels.delta_scan import delta_chunk_scan_triton
+
+        SCAN_BACKENDS[delta_scan] = delta_chunk_scan_triton
+    return {f"{name}_backend": kernel for name, kernel in kernels.items()}
 
 
 def active_params(model: torch.nn.Module, args: ModelArgs) -> int:

@@ -14,7 +14,9 @@ then `norm(o, z)` (RMSNorm times `silu(z)`) and `out_proj`.
 
 Two equal forms of the recurrence, both in fp32: `recurrent_gated_delta_rule` (token by token: the reference and
 the decode step) and `chunk_gated_delta_rule` (chunks of 64: matmuls within a chunk, a scan over chunks;
-transformers' `torch_chunk_gated_delta_rule`), for training and prefill.
+transformers' `torch_chunk_gated_delta_rule`), for training and prefill. The scan over chunks is
+`SCAN_BACKENDS[args.delta_scan_backend]`: a Python loop (`delta_chunk_scan`) or one Triton launch each way
+(`tandem.kernels.delta_scan`, `speed.delta_scan_kernel`).
 
 Documents. Packed rows must behave as their documents run separately. Both forms take `resets` `[B, S]` (True
 where a new segment starts: a document start, each padding token) and handle them in place, in the packed layout:
@@ -33,6 +35,8 @@ after each sequence's last token.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,11 +102,13 @@ def chunk_gated_delta_rule(
     resets: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
+    scan: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked form of `recurrent_gated_delta_rule` (same arguments and results); see the module docstring."""
+    """Chunked form of `recurrent_gated_delta_rule` (same arguments and results; `scan` names the pass over chunks
+    in `SCAN_BACKENDS`); see the module docstring."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    batch, heads, seq, dk = k.shape
+    seq = k.shape[2]
     pad = (chunk_size - seq % chunk_size) % chunk_size
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # padded tokens: no decay, no update
@@ -130,14 +136,39 @@ def chunk_gated_delta_rule(
     chunk_decay = cum[..., -1].exp()
     if carry is not None:
         chunk_decay = chunk_decay * carry[..., -1]
-    state = q.new_zeros(batch, heads, dk, v.shape[-1]) if initial_state is None else initial_state.float()
+    state = None if initial_state is None else initial_state.float()
+    out, state = SCAN_BACKENDS[scan](new_values, k_cumdecay, q, intra, k, chunk_decay, state)
+    out = out.flatten(2, 3)[:, :, :seq]
+    return out.transpose(1, 2).to(dtype), state
+
+
+def delta_chunk_scan(
+    u: torch.Tensor,
+    w: torch.Tensor,
+    q: torch.Tensor,
+    a: torch.Tensor,
+    k: torch.Tensor,
+    decay: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over chunks, fp32, per (batch, head) and chunk i with the state S `[dk, dv]` entering it:
+    `v = u_i - w_i @ S`, `out_i = q_i @ S + a_i @ v`, `S <- decay_i * S + k_i^T @ v`. u `[B, H, n, C, dv]`, w, q,
+    k `[B, H, n, C, dk]`, a `[B, H, n, C, C]`, decay `[B, H, n]`; returns out `[B, H, n, C, dv]` and the last S.
+    (`tandem.kernels.delta_scan` runs it as one Triton launch each way.)"""
+    batch, heads, chunks, _, dv = u.shape
+    state = u.new_zeros(batch, heads, w.shape[-1], dv) if initial_state is None else initial_state
     outs = []
     for i in range(chunks):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i, None, None] + k[:, :, i].transpose(-1, -2) @ v_new
-    out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :seq]
-    return out.transpose(1, 2).to(dtype), state
+        v = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q[:, :, i] @ state + a[:, :, i] @ v)
+        state = state * decay[:, :, i, None, None] + k[:, :, i].transpose(-1, -2) @ v
+    return torch.stack(outs, dim=2), state
+
+
+ScanFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+SCAN_BACKENDS: dict[str, ScanFn] = {"torch": delta_chunk_scan}
+"""The pass over chunks by name: `delta_chunk_scan`, or a Triton kernel registered by its user
+(`tandem.kernels.delta_scan.delta_chunk_scan_triton`; this package imports no kernel)."""
 
 
 def segment_offsets(resets: torch.Tensor) -> torch.Tensor:
@@ -178,7 +209,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         la = args.linear
         assert la is not None
-        self.layer_idx, self.chunk_size = layer_idx, la.chunk_size
+        self.layer_idx, self.chunk_size, self.scan = layer_idx, la.chunk_size, args.delta_scan_backend
         self.flat_projections, self.conv_dim = la.flat_projections, la.conv_dim
         self.num_k_heads, self.num_v_heads = la.num_k_heads, la.num_v_heads
         self.k_head_dim, self.v_head_dim = la.k_head_dim, la.v_head_dim
@@ -235,7 +266,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         q, k, v = self._heads(causal_conv(mixed, self.conv1d.weight, resets))
         g, beta = self._gates(b, a)
-        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, resets, chunk_size=self.chunk_size)
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, resets, chunk_size=self.chunk_size, scan=self.scan)
         return self._output(out, z)
 
     def _cached(self, x: torch.Tensor, attn: object) -> torch.Tensor:
@@ -254,7 +285,9 @@ class GatedDeltaNet(nn.Module):
         if max_new == 1:
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
         else:
-            out, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, chunk_size=self.chunk_size)
+            out, state = chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=state, chunk_size=self.chunk_size, scan=self.scan
+            )
         lengths = valid.sum(dim=1)
         keep = lengths[:, None] + torch.arange(taps - 1, device=x.device)  # the last K - 1 inputs of each sequence
         new_conv = history.gather(1, keep[..., None].expand(-1, -1, history.shape[-1])).transpose(1, 2)
