@@ -11,8 +11,8 @@ then the gated grouped RMSNorm (`x * silu(z)` first, then normalised per group; 
 `out_proj`. The scan, the norm and everything between them run in fp32.
 
 Two equal forms, fp32: `recurrent_ssd` (token by token: the reference and the decode step) and `chunk_ssd` (SSD:
-within a chunk a masked attention-like product, between chunks a scan over chunk states; transformers'
-`mamba2_chunk_scan`), for training and prefill.
+within a chunk a masked attention-like product, between chunks the same over chunk states: one matmul by the
+decays between every pair of chunks, no loop; transformers' `mamba2_chunk_scan`), for training and prefill.
 
 Documents: as `layers.gated_deltanet`, both forms take `resets` `[B, S]` (True at a document start and at every
 padding token) and keep documents apart in the packed layout: the conv masks taps that reach back across a start,
@@ -117,14 +117,18 @@ def chunk_ssd(
         decay_out = decay_out * last_segment
     chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_out, xdt)
     decay_in = cum.exp() if carry is None else cum.exp() * carry  # [b, h, c, l]
-    chunk_decay = cum[..., -1].exp() if carry is None else cum[..., -1].exp() * carry[..., -1]  # [b, h, c]
+    # The state entering chunk i: the initial state and every earlier chunk's own state, each decayed through the
+    # chunks between (`transfer`, the segment sums over chunks, as within a chunk); a chunk holding a segment start
+    # passes nothing through. One matmul instead of a loop over chunks.
+    transfer = segment_sum(F.pad(cum[..., -1], (1, 0)))  # [b, h, c + 1, c + 1]
+    if carry is not None:
+        crossed = segment_sum(F.pad(1.0 - carry[..., -1], (1, 0)))  # starts between: > 0 blocks
+        transfer = transfer.masked_fill(crossed > 0, float("-inf"))
     state = x.new_zeros(batch, heads, dim, B.shape[-1]) if initial_state is None else initial_state.float()
-    y_off = []
-    for i in range(chunks):
-        y_off.append(torch.einsum("blhn,bhpn,bhl->blhp", C[:, i], state, decay_in[:, :, i]))
-        state = state * chunk_decay[:, :, i, None, None] + chunk_states[:, i]
-    y = (y_diag + torch.stack(y_off, dim=1)).flatten(1, 2)[:, :seq]
-    return y + skip, state
+    entering = torch.einsum("bhzc,bchpn->bzhpn", transfer.exp(), torch.cat([state[:, None], chunk_states], dim=1))
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering[:, :-1], decay_in)
+    y = (y_diag + y_off).flatten(1, 2)[:, :seq]
+    return y + skip, entering[:, -1]
 
 
 class Mamba2(nn.Module):
