@@ -140,7 +140,9 @@ def test_state_is_counted_and_the_fused_step_is_refused(hybrid_dir, make_engine)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_give_the_eager_tokens(hybrid_dir):
-    """Decode replayed from CUDA graphs with the state slots as an input column: the eager engine's tokens."""
+    """Decode replayed from CUDA graphs with the state slots as an input column: the eager engine's tokens. fp32,
+    as the dense models' graph tests: in bf16 a graph's padded batch runs GEMMs of another shape, whose rounding
+    turns a near-tie of this random model's greedy choice another way."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(hybrid_dir)
@@ -149,9 +151,9 @@ def test_cuda_graphs_give_the_eager_tokens(hybrid_dir):
     results = {}
     for graphs in (False, True):
         config = engine_config(
-            hybrid_dir, device="cuda", cuda_graphs=graphs, model={"name": str(hybrid_dir), "dtype": "bfloat16"}, **PAGED
+            hybrid_dir, device="cuda", cuda_graphs=graphs, model={"name": str(hybrid_dir), "dtype": "float32"}, **PAGED
         )
-        model = load_model(hybrid_dir, dtype=torch.bfloat16, device="cuda")
+        model = load_model(hybrid_dir, dtype=torch.float32, device="cuda")
         engine = Engine(model, config, tokenizer=tok, eos_token_ids=eos_token_ids(hybrid_dir, tok)).start()
         try:
             results[graphs] = [samples[0].token_ids for samples in engine.generate(prompts, params)]
