@@ -41,6 +41,8 @@ class RopeArgs:
     mscale_all_dim: float | None = None
     truncate: bool = True
     partial_rotary_factor: float = 1.0  # the leading fraction of each head's dims that is rotated (GLM: 0.5)
+    mrope_section: tuple[int, ...] = ()  # M-RoPE: frequencies per (time, height, width) axis; empty: plain RoPE
+    mrope_interleaved: bool = False  # M-RoPE axes take frequencies in turn (Qwen3-VL), not in blocks (Qwen2.5-VL)
 
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
@@ -215,6 +217,9 @@ class ModelArgs:
     norm_fp32_scale: bool = False  # RMSNorm weight applied in fp32 before the cast back (Nemotron-H)
     attn_output_gate: bool = False  # Qwen3-Next: q_proj also yields a per-head gate; out * sigmoid(gate) -> o_proj
     zero_centered_norm: bool = False  # Qwen3-Next: RMSNorms scale by (1 + weight), weights initialised to 0
+    vision_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    """A vision-language checkpoint's HF `vision_config` (Qwen3-VL): the model builds its vision tower from it."""
+    image_token_id: int | None = None  # the placeholder token an image's embeddings replace (vision-language)
     initializer_range: float = 0.02
     dtype: torch.dtype = torch.float32
     # Runtime choices (not part of the HF config).
@@ -352,7 +357,9 @@ def parse_rope(hf: Mapping[str, Any], partial_rotary_factor: float | None = None
         raise ModelConfigError(f"partial_rotary_factor {partial} is not in (0, 1]")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if rope_type == "default":
-        return RopeArgs(theta=theta, partial_rotary_factor=partial)
+        mrope = tuple(int(n) for n in params.get("mrope_section") or ())
+        interleaved = bool(params.get("mrope_interleaved", False))
+        return RopeArgs(theta=theta, partial_rotary_factor=partial, mrope_section=mrope, mrope_interleaved=interleaved)
     original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
     factor = params.get("factor")
     if factor is None and rope_type == "yarn" and original:

@@ -12,11 +12,17 @@ Blocks (`args.block`): `decoder` blocks (`DecoderBlock`) are norm + mixer + norm
 (`MixerBlock`, Nemotron-H) are norm + one mixer, stored under `mixer` whatever its kind (HF's layout).
 Parameter names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`,
 `gate_up_proj`, the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
+
+Vision-language models (`args.vision_config`, Qwen3-VL) add a vision tower (`visual`, `layers.vision`): a forward
+given `Images` replaces each image's placeholder tokens' embeddings by the tower's output, adds its DeepStack
+features to the hidden states after the first decoder layers, and rotates by M-RoPE positions
+(`layers.rope.mrope_positions`); text-only batches run as the text decoder alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +39,9 @@ from .layers.mlp import MLP, GatedMLP
 from .layers.moe import Experts, MoE, Router
 from .layers.norm import RMSNorm
 from .layers.precision import autocast_dtype
-from .layers.rope import RotaryEmbedding
+from .layers.rope import RotaryEmbedding, mrope_positions
 from .layers.state_cache import StateBatch, StateCache
+from .layers.vision import Qwen3VisionEncoder, VisionArgs
 from .logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from .nll_sum import fused_nll_sum
 
@@ -131,8 +138,29 @@ class MixerBlock(nn.Module):
 BLOCKS: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"decoder": DecoderBlock, "mixer": MixerBlock}
 
 
+@dataclass(frozen=True)
+class Images:
+    """A batch's images, in the order of their placeholder spans (row by row): patches `[P, C * T * p * p]` and
+    each image's (t, h, w) patch grid `[N, 3]`, as transformers' image processor gives `pixel_values` and
+    `image_grid_thw`."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+
+@dataclass(frozen=True)
+class VisualFeatures:
+    """Where the images sit in a batch (`mask` `[B, S]`, True at placeholders) and what goes there: the tower's
+    embeddings `[N, H]` replacing the placeholders' and the DeepStack features added after decoder layer i."""
+
+    mask: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+
 class CausalLM(nn.Module):
-    """Embedding, decoder blocks (`layers[i]`), final norm, LM head (absent when tied to the embedding)."""
+    """Embedding, decoder blocks (`layers[i]`), final norm, LM head (absent when tied to the embedding), and for a
+    vision-language model its vision tower (`visual`)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -142,6 +170,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centered_norm, args.norm_fp32_scale)
         self.rotary = RotaryEmbedding(args.rope, args.rotary_dim)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        vision = args.vision_config
+        self.visual = Qwen3VisionEncoder(VisionArgs.from_hf(vision)) if vision is not None else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -153,9 +183,9 @@ class CausalLM(nn.Module):
         zero-centred), zero biases (the router's correction bias too), Gated DeltaNet's decay parameters."""
         std = self.args.initializer_range
         for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d):
+            if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | nn.Conv3d):
                 nn.init.normal_(module.weight, std=std, generator=generator)
-            if isinstance(module, nn.Linear) and module.bias is not None:
+            if isinstance(module, nn.Linear | nn.Conv3d) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, Router):
                 nn.init.normal_(module.weight, std=std, generator=generator)
@@ -174,14 +204,35 @@ class CausalLM(nn.Module):
                 nn.init.zeros_(module.bias)
         self.rotary.init_buffers(self.embed_tokens.weight.device)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
-        """Final (normed) hidden states `[B, S, hidden]` for token ids `[B, S]` at integer `positions` `[B, S]`."""
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnInputs, visual: VisualFeatures | None = None
+    ) -> torch.Tensor:
+        """Final (normed) hidden states `[B, S, hidden]` for token ids `[B, S]` at integer `positions` `[B, S]`
+        (M-RoPE: `[3, B, S]`), with `visual`'s image features in place of their placeholders."""
         x = self.embed_tokens(input_ids)
+        if visual is not None:
+            x = x.masked_scatter(visual.mask[..., None], visual.embeds.to(x.dtype))
         # q and k come out of the matmuls in autocast's dtype; rotate them in it, as a bf16 model does
         cos, sin = self.rotary(positions, autocast_dtype(x.device.type) or x.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn)
+            if visual is not None and i < len(visual.deepstack):
+                x = x.masked_scatter(visual.mask[..., None], x[visual.mask] + visual.deepstack[i].to(x.dtype))
         return self.norm(x)
+
+    def visual_features(self, input_ids: torch.Tensor, images: Images) -> VisualFeatures:
+        """The vision tower's features for `images` and where they go in `input_ids`; ValueError when the model
+        has no vision tower or the placeholders do not count the images' merged patches."""
+        if self.visual is None or self.args.image_token_id is None:
+            raise ValueError(f"{self.args.architecture} takes no images (it has no vision tower)")
+        embeds, deepstack = self.visual(images.pixel_values, images.grid_thw)
+        mask = input_ids == self.args.image_token_id
+        if int(mask.sum()) != embeds.shape[0]:
+            raise ValueError(
+                f"{int(mask.sum())} image placeholder tokens for {embeds.shape[0]} image features "
+                f"({images.grid_thw.tolist()} patch grids)"
+            )
+        return VisualFeatures(mask, embeds, tuple(deepstack))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head_weight.T
@@ -200,6 +251,7 @@ class CausalLM(nn.Module):
         with_entropy: bool = True,
         nll_sum: bool = False,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        images: Images | None = None,
     ) -> Any:
         """Score a batch `[B, S]`; returns logits `[B, S, V]` unless asked otherwise.
 
@@ -213,12 +265,23 @@ class CausalLM(nn.Module):
             gradient formed in the same chunked pass (see `nll_sum.fused_nll_sum`).
         head: return `head(hidden [B*S, H], lm_head_weight [V, H])` instead, e.g. RL's fused policy loss
             (`trainer.fused_loss`). Called here, inside the forward, where FSDP has the LM head unsharded.
+        images: the batch's images (vision-language models): their features replace the placeholder tokens and
+            positions become M-RoPE's.
         """
         batch, seq = input_ids.shape
         attn = attention_inputs(self.args.attn_backend, input_ids.device, position_ids, attention_mask)
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        hidden = self.hidden_states(input_ids, position_ids, attn)
+        visual = None
+        if images is not None:
+            visual = self.visual_features(input_ids, images)
+            merge = self.visual.args.spatial_merge_size
+            rope_positions = mrope_positions(
+                input_ids, self.args.image_token_id, images.grid_thw, merge, position_ids, attention_mask
+            )
+        elif position_ids is None:
+            rope_positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        else:
+            rope_positions = position_ids
+        hidden = self.hidden_states(input_ids, rope_positions, attn, visual)
         if head is not None:
             return head(hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight)
         if targets is not None and nll_sum:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import deepseek_v3, deepseek_v32, glm4_moe, llama, nemotron_h, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from . import deepseek_v3, deepseek_v32, glm4_moe, llama, nemotron_h, qwen3, qwen3_5, qwen3_moe, qwen3_next, qwen3_vl
 from .architecture import Architecture
 from .config import ModelConfigError
 
@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         qwen3_5.MOE_ARCHITECTURE,
         *qwen3_5.MULTIMODAL_ARCHITECTURES,
         nemotron_h.ARCHITECTURE,
+        qwen3_vl.ARCHITECTURE,
     )
 }
 

@@ -158,4 +158,81 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
+        """cos and sin `[B, S, D]` for positions `[B, S]`, or for M-RoPE positions `[3, B, S]` (time, height,
+        width: `mrope_frequencies`)."""
+        if positions.ndim == 2:
+            return rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
+        angles = mrope_angles(positions, self.inv_freq, self.rope.mrope_section, self.rope.mrope_interleaved)
+        angles = torch.cat((angles, angles), dim=-1)
+        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+
+def mrope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, ...], interleaved: bool
+) -> torch.Tensor:
+    """M-RoPE's angles `[B, S, D/2]` for positions `[3, B, S]`: each frequency rotates by one axis's position.
+    Interleaved (Qwen3-VL): frequency i takes height if i % 3 == 1 and i < 3 * section[1], width likewise with
+    i % 3 == 2, else time; in blocks (Qwen2.5-VL): the first section[0] frequencies take time, the next section[1]
+    height, the last section[2] width. Text tokens have the same position on all three axes: plain RoPE."""
+    if len(section) != 3 or sum(section) != inv_freq.shape[0]:
+        raise ValueError(f"mrope_section {section} must be three counts summing to {inv_freq.shape[0]} frequencies")
+    angles = positions[..., None].float() * inv_freq.float()  # [3, B, S, D/2]
+    if interleaved:
+        axis = torch.zeros(inv_freq.shape[0], dtype=torch.long, device=positions.device)
+        index = torch.arange(inv_freq.shape[0], device=positions.device)
+        for a in (1, 2):
+            axis[(index % 3 == a) & (index < 3 * section[a])] = a
+    else:
+        axis = torch.repeat_interleave(
+            torch.arange(3, device=positions.device), torch.tensor(section).to(positions.device)
+        )
+    return angles.gather(0, axis.expand(*angles.shape[1:])[None]).squeeze(0)
+
+
+def mrope_positions(
+    input_ids: torch.Tensor,
+    image_token_id: int,
+    grid_thw: torch.Tensor,
+    spatial_merge_size: int,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """M-RoPE positions `[3, B, S]` of a batch with images (Qwen-VL's rule, transformers' `get_rope_index`).
+
+    Text tokens count up on all three axes. An image's placeholder span (`image_token_id` repeated t * h * w /
+    merge^2 times, images in batch order, one row of `grid_thw` each) starts at the current position p: its
+    merged patch (i, j) of frame f sits at (p + f, p + i, p + j), and the text after it resumes at p + max(h, w)
+    / merge. `position_ids` restarting at 0 starts a packed document (positions count from 0 again);
+    `attention_mask` 0 marks padding, which neither takes nor advances a position. Computed on the host: a
+    Python walk over the rows, as the data pipeline does once per batch."""
+    ids = input_ids.tolist()
+    starts = (position_ids == 0).tolist() if position_ids is not None else None
+    real = attention_mask.bool().tolist() if attention_mask is not None else None
+    grids = iter(grid_thw.tolist())
+    out = torch.zeros(3, *input_ids.shape, dtype=torch.long)
+    for b, row in enumerate(ids):
+        current, i = 0, 0
+        while i < len(row):
+            if real is not None and not real[b][i]:
+                i += 1
+                continue
+            if starts is not None and starts[b][i]:
+                current = 0
+            if row[i] != image_token_id:
+                out[:, b, i] = current
+                current, i = current + 1, i + 1
+                continue
+            t, h, w = next(grids, (0, 0, 0))
+            h, w = h // spatial_merge_size, w // spatial_merge_size
+            span = t * h * w
+            if span == 0 or row[i : i + span] != [image_token_id] * span:
+                raise ValueError(
+                    f"row {b}: the image placeholder at token {i} does not match the next image's grid {t}x{h}x{w}"
+                    " (one placeholder token per merged patch)"
+                )
+            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+            out[:, b, i : i + span] = grid.reshape(3, -1) + current
+            current, i = current + max(h, w), i + span
+    if next(grids, None) is not None:
+        raise ValueError(f"{len(grid_thw)} images but fewer placeholder spans in the batch")
+    return out.to(input_ids.device)

@@ -1,0 +1,138 @@
+"""Qwen3-VL against transformers (fp32): logits with images (several images, of different grids, one row
+without any), text alone, M-RoPE positions with padding, the multimodal checkpoint written back unchanged, and
+placeholders that do not count an image's patches refused by name.
+
+The reference is a tiny random `Qwen3VLForConditionalGeneration` built from the config below; images are random
+patch rows with their (t, h, w) grids, as transformers' image processor would give them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.models import load_model, save_model
+from tandem.models.decoder import Images
+from tandem.models.layers.rope import mrope_positions
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE, START, END = 300, 302, 303
+CONFIG = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "image_token_id": IMAGE,
+    "video_token_id": 301,
+    "vision_start_token_id": START,
+    "vision_end_token_id": END,
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_vl_text", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                            "mrope_interleaved": True},
+    },
+    "vision_config": {
+        "model_type": "qwen3_vl", "depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4,
+        "in_channels": 3, "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64,
+        "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 2], "hidden_act": "gelu_pytorch_tanh",
+    },
+}  # fmt: skip
+GRIDS = torch.tensor([[1, 4, 4], [1, 4, 6], [1, 2, 2]])  # 4, 6 and 1 placeholder tokens
+TOL = 1e-4
+
+
+def _span(grid: list[int]) -> list[int]:
+    t, h, w = grid
+    return [START, *[IMAGE] * (t * h * w // 4), END]
+
+
+def _batch() -> tuple[torch.Tensor, Images]:
+    """Row 0: text, an image, text, another image, text; row 1: text, an image, text; row 2: text only."""
+    g = GRIDS.tolist()
+    rows = [[5, 6, *_span(g[0]), 7, 8, *_span(g[1]), 9], [10, 11, 12, *_span(g[2]), 13, 14], list(range(20, 28))]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + list(range(40, 40 + width - len(row))) for row in rows])
+    patches = int(GRIDS.prod(-1).sum())
+    pixels = torch.randn(patches, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(1))
+    return ids, Images(pixels, GRIDS)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3-vl")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(**CONFIG)).float()
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if name.endswith(".bias") or "norm" in name:  # HF starts them at 0 / 1: parity must cover them
+                    param.add_(torch.randn_like(param), alpha=0.1)
+    hf.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    return path
+
+
+def _hf(path: Path) -> torch.nn.Module:
+    return transformers.Qwen3VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor, images: Images | None, mask=None) -> torch.Tensor:
+    extra = {}
+    if images is not None:
+        types = (ids == IMAGE).int()
+        extra = {"pixel_values": images.pixel_values, "image_grid_thw": images.grid_thw, "mm_token_type_ids": types}
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask, **extra).logits
+
+
+def test_logits_with_images_match_transformers(checkpoint):
+    ids, images = _batch()
+    model = load_model(checkpoint, dtype=torch.float32).eval()
+    hf = _hf(checkpoint)
+    with torch.no_grad():
+        ours = model(ids, images=images)
+        text_only = model(ids)
+    want = _hf_logits(hf, ids, images)
+    assert (ours - want).abs().max() < TOL
+    assert (text_only - _hf_logits(hf, ids, None)).abs().max() < TOL  # the placeholders read as tokens
+    assert (ours - text_only).abs().max() > 1e-2  # the images change the logits
+
+
+def test_positions_match_transformers_with_padding(checkpoint):
+    ids, images = _batch()
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0  # the text-only row left-padded
+    hf = _hf(checkpoint)
+    want, _ = hf.model.get_rope_index(ids, (ids == IMAGE).int(), images.grid_thw, attention_mask=mask)
+    got = mrope_positions(ids, IMAGE, images.grid_thw, 2, attention_mask=mask)
+    real = mask.bool()
+    assert torch.equal(got[:, real], want[:, real])
+    assert got[0, 0, 3:7].tolist() == [3, 3, 3, 3] and got[1, 0, 3:7].tolist() == [3, 3, 4, 4]  # the 2 x 2 grid
+    assert got[2, 0, 3:7].tolist() == [3, 4, 3, 4] and got[0, 0, 7] == 3 + 2  # text resumes after max(h, w)
+
+
+def test_the_multimodal_checkpoint_is_written_back_unchanged(checkpoint, tmp_path):
+    ids, images = _batch()
+    model = load_model(checkpoint, dtype=torch.float32).eval()
+    save_model(model, tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["architectures"] == CONFIG["architectures"] and saved["vision_config"] == CONFIG["vision_config"]
+    again = _hf(tmp_path / "saved")
+    assert (_hf_logits(again, ids, images) - _hf_logits(_hf(checkpoint), ids, images)).abs().max() == 0
+
+
+def test_images_that_do_not_fit_are_refused_by_name(checkpoint, tiny_model_dir):
+    ids, images = _batch()
+    model = load_model(checkpoint, dtype=torch.float32).eval()
+    short = Images(images.pixel_values[:-4], images.grid_thw[:2])  # the last image left out
+    with pytest.raises(ValueError, match="image placeholder tokens for"):
+        model(ids, images=short)
+    with pytest.raises(ValueError, match="takes no images"):
+        load_model(tiny_model_dir("qwen3"))(ids % 300, images=images)
