@@ -27,7 +27,7 @@ from torch import nn
 
 from .architecture import HFLayout
 from .config import ModelArgs, MoEArgs
-from .layers.vision import Qwen3VisionEncoder, VisionArgs
+from .decoder import vision_tower
 from .registry import ARCHITECTURES
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -118,14 +118,15 @@ def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False)
             mlp = _mlp_weights("mlp.", args.intermediate_size, args.mlp_bias)
         out |= {rt + name: _under(hf, fused) for name, fused in (attention | mlp).items()}
     if args.vision_config is not None:  # the vision tower: HF's names under `model.visual.`
-        out |= {f"visual.{name}": _plain(f"model.visual.{name}") for name in vision_parameters(args.vision_config)}
+        out |= {f"visual.{name}": _plain(f"model.visual.{name}") for name in vision_parameters(args)}
     return out
 
 
-def vision_parameters(vision_config: Mapping[str, Any]) -> list[str]:
+def vision_parameters(args: ModelArgs) -> list[str]:
     """A vision tower's parameter names (HF's, under `model.visual.`), from one built on the meta device."""
     with torch.device("meta"):
-        return [name for name, _ in Qwen3VisionEncoder(VisionArgs.from_hf(vision_config)).named_parameters()]
+        tower = vision_tower(args)
+    return [] if tower is None else [name for name, _ in tower.named_parameters()]
 
 
 def _under(prefix: str, fused: Fused) -> Fused:

@@ -39,6 +39,7 @@ from .layers.mlp import MLP, GatedMLP
 from .layers.moe import Experts, MoE, Router
 from .layers.norm import RMSNorm
 from .layers.precision import autocast_dtype
+from .layers.qwen2_5_vision import Qwen2_5VisionArgs, Qwen2_5VisionEncoder
 from .layers.rope import RotaryEmbedding, mrope_positions
 from .layers.state_cache import StateBatch, StateCache
 from .layers.vision import Qwen3VisionEncoder, VisionArgs
@@ -138,6 +139,18 @@ class MixerBlock(nn.Module):
 BLOCKS: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"decoder": DecoderBlock, "mixer": MixerBlock}
 
 
+VISION_TOWERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
+    "Qwen3VLForConditionalGeneration": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
+    "Qwen2_5_VLForConditionalGeneration": lambda config: Qwen2_5VisionEncoder(Qwen2_5VisionArgs.from_hf(config)),
+}
+"""Vision-language architecture -> its vision tower, built from the HF `vision_config`."""
+
+
+def vision_tower(args: ModelArgs) -> nn.Module | None:
+    """The vision tower of a vision-language model (`args.vision_config`); None for a text model."""
+    return None if args.vision_config is None else VISION_TOWERS[args.architecture](dict(args.vision_config))
+
+
 @dataclass(frozen=True)
 class Images:
     """A batch's images, in the order of their placeholder spans (row by row): patches `[P, C * T * p * p]` and
@@ -170,8 +183,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centered_norm, args.norm_fp32_scale)
         self.rotary = RotaryEmbedding(args.rope, args.rotary_dim)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        vision = args.vision_config
-        self.visual = Qwen3VisionEncoder(VisionArgs.from_hf(vision)) if vision is not None else None
+        self.visual = vision_tower(args)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -5,7 +5,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import deepseek_v3, deepseek_v32, glm4_moe, llama, nemotron_h, qwen3, qwen3_5, qwen3_moe, qwen3_next, qwen3_vl
+from . import (
+    deepseek_v3,
+    deepseek_v32,
+    glm4_moe,
+    llama,
+    nemotron_h,
+    qwen2_5_vl,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+    qwen3_vl,
+)
 from .architecture import Architecture
 from .config import ModelConfigError
 
@@ -24,6 +36,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         *qwen3_5.MULTIMODAL_ARCHITECTURES,
         nemotron_h.ARCHITECTURE,
         qwen3_vl.ARCHITECTURE,
+        qwen2_5_vl.ARCHITECTURE,
     )
 }
 

@@ -158,9 +158,9 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[B, S, D]` for positions `[B, S]`, or for M-RoPE positions `[3, B, S]` (time, height,
-        width: `mrope_frequencies`)."""
-        if positions.ndim == 2:
+        """cos and sin `[*positions.shape, D]` for integer positions, or `[B, S, D]` for a model with M-RoPE given
+        positions `[3, B, S]` (time, height, width: `mrope_angles`)."""
+        if not (self.rope.mrope_section and positions.ndim == 3):
             return rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
         angles = mrope_angles(positions, self.inv_freq, self.rope.mrope_section, self.rope.mrope_interleaved)
         angles = torch.cat((angles, angles), dim=-1)

@@ -192,11 +192,14 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, args: VisionArgs) -> None:
+    """Bidirectional attention over runs of rows (frames, or Qwen2.5-VL's windows), q and k rotated in fp32;
+    `qkv` and `proj` with biases, as both Qwen-VL towers store them."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = args.num_heads
-        self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
-        self.proj = nn.Linear(args.hidden_size, args.hidden_size)
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: list[tuple[int, int]]
@@ -224,7 +227,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(args.hidden_size, eps=NORM_EPS)
         self.norm2 = nn.LayerNorm(args.hidden_size, eps=NORM_EPS)
-        self.attn = VisionAttention(args)
+        self.attn = VisionAttention(args.hidden_size, args.num_heads)
         self.mlp = VisionMLP(args)
 
     def forward(
