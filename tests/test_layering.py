@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import tandem
 
-UTILITIES = ("checkpoints", "files", "jsonl", "net", "packing", "run", "wire")
-"""Root modules for every process: run directories, atomic files, record files, hosts, checkpoint lookup, packing,
-the client/server wire format."""
+UTILITIES = ("checkpoints", "files", "images", "jsonl", "net", "packing", "run", "wire")
+"""Root modules for every process: run directories, atomic files, image references, record files, hosts, checkpoint
+lookup, packing, the client/server wire format."""
 EVERYTHING = "*"
 
 ALLOWED: dict[str, tuple[str, ...] | str] = {
@@ -34,6 +34,7 @@ ALLOWED: dict[str, tuple[str, ...] | str] = {
     "config": (),
     # root utility modules
     "files": (),
+    "images": (),
     "net": (),
     "checkpoints": (),
     "packing": (),

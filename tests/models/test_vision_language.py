@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.vision_models import FAMILIES, vl_config, write_hf_vl_model
 from tandem.models import load_model, save_model
 from tandem.models.decoder import Images
 from tandem.models.layers.rope import mrope_positions
@@ -21,33 +22,6 @@ from tandem.models.layers.rope import mrope_positions
 transformers = pytest.importorskip("transformers")
 
 IMAGE, START, END = 300, 302, 303
-TEXT = {
-    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
-}  # fmt: skip
-VISION = {
-    "depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4, "in_channels": 3, "patch_size": 4,
-    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64,
-}  # fmt: skip
-TOKENS = {"image_token_id": IMAGE, "video_token_id": 301, "vision_start_token_id": START, "vision_end_token_id": END}
-FAMILIES = {
-    "qwen3-vl": {
-        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", **TOKENS,
-        "tie_word_embeddings": False,
-        "text_config": {**TEXT, "model_type": "qwen3_vl_text", "rope_parameters": {
-            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}},
-        "vision_config": {**VISION, "model_type": "qwen3_vl", "num_position_embeddings": 16,
-                          "deepstack_visual_indexes": [0, 2], "hidden_act": "gelu_pytorch_tanh"},
-    },
-    # the hub's flat layout (text keys at the top, rope_scaling "mrope"), as Qwen2.5-VL checkpoints are published
-    "qwen2.5-vl": {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", **TOKENS, **TEXT,
-        "tie_word_embeddings": False, "rope_theta": 10000.0,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "vision_config": {**VISION, "model_type": "qwen2_5_vl", "depth": 4, "fullatt_block_indexes": [1, 3],
-                          "window_size": 16, "hidden_act": "silu"},
-    },
-}  # fmt: skip
 GRIDS = torch.tensor([[1, 4, 4], [1, 4, 6], [1, 2, 2]])  # 4, 6 and 1 placeholder tokens
 TOL = 1e-4
 
@@ -68,29 +42,16 @@ def _batch() -> tuple[torch.Tensor, Images]:
     return ids, Images(pixels, GRIDS)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory) -> Path:
-    config = FAMILIES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        hf = _hf_class(config)(transformers.AutoConfig.for_model(**config)).float()
-        with torch.no_grad():
-            for name, param in hf.named_parameters():
-                if name.endswith(".bias") or "norm" in name:  # HF starts them at 0 / 1: parity must cover them
-                    param.add_(torch.randn_like(param), alpha=0.1)
-    hf.save_pretrained(path)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
-
-
-def _hf_class(config: dict) -> type:
-    return getattr(transformers, config["architectures"][0])
+    config = vl_config(request.param, 320, IMAGE, 301, START, END)
+    return write_hf_vl_model(tmp_path_factory.mktemp(request.param), config)
 
 
 def _hf(path: Path) -> torch.nn.Module:
     config = json.loads((path / "config.json").read_text())
-    return _hf_class(config).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model_class = getattr(transformers, config["architectures"][0])
+    return model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor, images: Images | None, mask=None) -> torch.Tensor:

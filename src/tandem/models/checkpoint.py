@@ -43,6 +43,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    "preprocessor_config.json",  # a vision-language model's image processor
 )
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$|mtp\.")  # RoPE tables; Qwen3-Next's MTP weights
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")

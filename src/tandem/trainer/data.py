@@ -4,6 +4,11 @@ A sample is a token sequence plus a per-token loss mask: `loss_mask[i]` says whe
 trained to predict token `i` from the tokens before it. A packed row concatenates samples up to
 `seq_len` tokens with `position_ids` restarting at each sample, so the model's packed attention
 path keeps every sample to itself.
+
+Rows with images (chat messages with image parts, `tandem.images`; vision-language models): the chat template
+writes one image placeholder per image, which becomes as many placeholder tokens as the image has merged
+patches; they are never trained. A sample keeps the images' references, not pixels; a packed row lists its
+samples' images in order, which is the order of its placeholder spans, so every image stays with its document.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 
 from tandem.config.errors import ConfigError
+from tandem.images import ImageError, PixelEncoder, image_refs
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,7 @@ class DatasetError(ConfigError):
 class Sample:
     input_ids: list[int]
     loss_mask: list[bool]
+    images: tuple[str, ...] = ()  # image references, in the order of their placeholder spans
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -109,30 +116,84 @@ def _chat_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, li
     return full, spans
 
 
+@dataclass(frozen=True)
+class VisionTokens:
+    """How a vision-language model's rows spell images: the placeholder token and the image processor that says
+    how many placeholders each image takes."""
+
+    image_token_id: int
+    pixels: PixelEncoder
+
+
+def _text(content: Any) -> str:
+    """A message content's text: the string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+
+
+def _is_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("text", "image_url", "image")
+
+
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise BadRow("`messages` must be a non-empty list")
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRow("every message needs a string `role`")
-        if not isinstance(message.get("content"), str):
-            raise BadRow("a message has no string `content`", f"role {message.get('role')!r}")
-    if not any(message["role"] == "assistant" and message["content"] for message in messages):
+        content = message.get("content")
+        if not isinstance(content, str | list) or (isinstance(content, list) and not all(map(_is_part, content))):
+            raise BadRow("a message has no string `content` (nor a list of text and image parts)", f"role {message.get('role')!r}")
+    if not any(message["role"] == "assistant" and _text(message["content"]) for message in messages):
         raise BadRow("no non-empty assistant message to learn from")
     return messages
 
 
-def tokenize_row(row: Any, tokenizer: Any) -> Sample:
-    """One dataset row (`messages`, or `prompt` + `completion`) as a Sample; raises BadRow."""
+def _expand_images(
+    ids: list[int], mask: list[bool], refs: list[str], vision: VisionTokens | None
+) -> tuple[list[int], list[bool]]:
+    """Each image's one placeholder (as the chat template writes it) as one per merged patch, untrained."""
+    if not refs:
+        return ids, mask
+    if vision is None:
+        raise BadRow("the row has images, but the model takes none")
+    at = [i for i, token in enumerate(ids) if token == vision.image_token_id]
+    if len(at) != len(refs):
+        raise BadRow("image placeholders do not match the images", f"{len(at)} placeholders, {len(refs)} images")
+    out_ids: list[int] = []
+    out_mask: list[bool] = []
+    start = 0
+    for i, ref in zip(at, refs, strict=True):
+        try:
+            count = vision.pixels.placeholders(ref)
+        except ImageError as error:
+            raise BadRow("unreadable image", str(error)) from None
+        out_ids += [*ids[start:i], *[vision.image_token_id] * count]
+        out_mask += [*mask[start:i], *[False] * count]
+        start = i + 1
+    return out_ids + ids[start:], out_mask + mask[start:]
+
+
+def tokenize_row(row: Any, tokenizer: Any, vision: VisionTokens | None = None) -> Sample:
+    """One dataset row (`messages`, or `prompt` + `completion`) as a Sample; raises BadRow. `vision`: how a
+    vision-language model's rows spell images (rows with images need it)."""
     if not isinstance(row, dict):
         raise BadRow("row is not a JSON object")
+    refs: list[str] = []
     if "messages" in row:
         if not getattr(tokenizer, "chat_template", None):
             raise DatasetError("the data has chat `messages` rows, but the model's tokenizer has no chat template")
-        full, spans = _chat_spans(tokenizer, _validate_messages(row["messages"]))
+        messages = _validate_messages(row["messages"])
+        try:
+            refs = image_refs(messages)
+        except ImageError as error:
+            raise BadRow("bad image part", str(error)) from None
+        full, spans = _chat_spans(tokenizer, messages)
         encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(encoded["input_ids"])
         mask = [any(start <= a and b <= end for start, end in spans) and b > a for a, b in encoded["offset_mapping"]]
+        ids, mask = _expand_images(ids, mask, refs, vision)
     elif "prompt" in row or "completion" in row:
         prompt, completion = row.get("prompt"), row.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
@@ -151,11 +212,11 @@ def tokenize_row(row: Any, tokenizer: Any) -> Sample:
         mask[0] = False  # the first token has nothing before it to predict it from
     if not any(mask):
         raise BadRow("no tokens to learn from")
-    return Sample(ids, mask)
+    return Sample(ids, mask, tuple(refs))
 
 
 def load_samples(
-    rows: Iterable[tuple[int, Any]], tokenizer: Any, seq_len: int, on_bad_row: str
+    rows: Iterable[tuple[int, Any]], tokenizer: Any, seq_len: int, on_bad_row: str, vision: VisionTokens | None = None
 ) -> tuple[list[Sample], BadRowReport]:
     """Tokenise every row; a bad row is counted and skipped, or fails the run naming its row number."""
     samples: list[Sample] = []
@@ -164,7 +225,7 @@ def load_samples(
         try:
             if isinstance(row, BadRow):
                 raise row
-            sample = tokenize_row(row, tokenizer)
+            sample = tokenize_row(row, tokenizer, vision)
             if len(sample) > seq_len:
                 raise BadRow("longer than seq_len", f"{len(sample)} > {seq_len} tokens")
         except BadRow as error:
@@ -191,6 +252,7 @@ class PackedRow:
     target_ids: torch.Tensor  # [seq_len] int64, the next token of the same sample (0 where unused)
     loss_mask: torch.Tensor  # [seq_len] bool, True where target_ids is trained
     num_real: int  # tokens that belong to samples (the rest is padding)
+    images: tuple[str, ...] = ()  # the samples' image references, in the order of their placeholder spans
 
 
 def _row(samples: list[Sample], seq_len: int, pad_id: int) -> PackedRow:
@@ -212,7 +274,8 @@ def _row(samples: list[Sample], seq_len: int, pad_id: int) -> PackedRow:
     pad = seq_len - offset
     if pad:
         position_ids[offset:] = torch.arange(pad)
-    return PackedRow(input_ids, position_ids, target_ids, loss_mask, offset)
+    images = tuple(ref for sample in samples for ref in sample.images)
+    return PackedRow(input_ids, position_ids, target_ids, loss_mask, offset, images)
 
 
 def pack(samples: list[Sample], seq_len: int, pad_id: int) -> list[PackedRow]:

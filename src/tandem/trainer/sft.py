@@ -22,11 +22,13 @@ import torch
 from tandem.config import ConfigError, load_config, to_toml
 from tandem.config.sft import SftConfig
 from tandem.files import atomic_write_text
+from tandem.images import ImageError, PixelEncoder
 from tandem.models import ModelArgs
+from tandem.models.decoder import Images
 from tandem.run import claim_run_dir, exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.batching import DatasetSteps, FakeSteps, balance_rows, single_documents, stack
-from tandem.trainer.data import load_samples, pack, pad_each, read_jsonl
+from tandem.trainer.data import VisionTokens, load_samples, pack, pad_each, read_jsonl
 from tandem.trainer.loop import Recipe, StepBatch, build_training, run_steps
 from tandem.trainer.model import export_hf, read_model_args
 from tandem.trainer.monitor import Monitor
@@ -86,6 +88,7 @@ class SftInputs:
     tokenizer: Any | None
     data: Path | None
     dataset: Any | None = None
+    pixels: PixelEncoder | None = None  # a vision-language model's image processor (rows with images)
 
 
 def check_inputs(config: SftConfig) -> SftInputs:
@@ -101,7 +104,13 @@ def check_inputs(config: SftConfig) -> SftInputs:
         )
     data = _data_file(config)
     tokenizer = _load_tokenizer(config)
-    return SftInputs(args, tokenizer, data, None if data is not None else load_hf_dataset(config))
+    pixels = None
+    if args.vision_config is not None:
+        try:
+            pixels = PixelEncoder(config.model.name)
+        except ImageError as error:
+            raise ConfigError(f"model.name: {error}") from None
+    return SftInputs(args, tokenizer, data, None if data is not None else load_hf_dataset(config), pixels)
 
 
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
@@ -213,7 +222,10 @@ def build_steps(config: SftConfig, inputs: SftInputs):
         return FakeSteps(inputs.args.vocab_size, config.seq_len, config.batch_size, config.seed)
     tokenizer = inputs.tokenizer
     rows = read_jsonl(inputs.data) if inputs.data is not None else enumerate(inputs.dataset, start=1)
-    samples, report = load_samples(rows, tokenizer, config.seq_len, config.data.on_bad_row)
+    vision = None
+    if inputs.pixels is not None and inputs.args.image_token_id is not None:
+        vision = VisionTokens(inputs.args.image_token_id, inputs.pixels)
+    samples, report = load_samples(rows, tokenizer, config.seq_len, config.data.on_bad_row, vision)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     packed = (pack if config.data.pack else pad_each)(samples, config.seq_len, pad_id)
     logger.info(
@@ -241,8 +253,11 @@ def _check_split(config: SftConfig, world: World) -> int:
 class SftRecipe(Recipe):
     """Dataset rows in, the summed NLL of every loss token over the step's loss-token count out."""
 
-    def __init__(self, config: SftConfig, world: World, steps, micro_steps: int) -> None:
+    def __init__(
+        self, config: SftConfig, world: World, steps, micro_steps: int, pixels: PixelEncoder | None = None
+    ) -> None:
         self.config, self.world, self.steps, self.micro_steps = config, world, steps, micro_steps
+        self.pixels = pixels
 
     def batch(self, step: int) -> StepBatch:
         rows = self.steps(step - 1)
@@ -253,7 +268,8 @@ class SftRecipe(Recipe):
         return StepBatch(step, micros, sum(r.num_real for r in rows), {"loss_tokens": loss_tokens})
 
     def loss(self, model: torch.nn.Module, micro: list, batch: StepBatch) -> tuple[torch.Tensor, dict]:
-        return _micro_batch_nll(model, micro, self.config, self.world.device) / batch.values["loss_tokens"], {}
+        nll = _micro_batch_nll(model, micro, self.config, self.world.device, self.pixels)
+        return nll / batch.values["loss_tokens"], {}
 
 
 def train(config: SftConfig) -> int:
@@ -271,7 +287,8 @@ def train(config: SftConfig) -> int:
     start_step = ckpt.resume_step(config, training.model, training.optimizer, training.scheduler)
     monitor = Monitor(config, world, training.info, start_step)
     try:
-        run_steps(config, world, training, SftRecipe(config, world, steps, micro_steps), start_step, monitor)
+        recipe = SftRecipe(config, world, steps, micro_steps, inputs.pixels)
+        run_steps(config, world, training, recipe, start_step, monitor)
         if config.speed.save_final:
             export_hf(training.model, training.info, config.run_dir / "hf" / "final", world, config.model.dtype)
     finally:
@@ -284,14 +301,22 @@ def train(config: SftConfig) -> int:
     return 0
 
 
-def _micro_batch_nll(model: torch.nn.Module, rows: list, config: SftConfig, device: torch.device) -> torch.Tensor:
-    """Summed NLL of one micro-batch's loss tokens (a scalar to backpropagate)."""
+def _micro_batch_nll(
+    model: torch.nn.Module, rows: list, config: SftConfig, device: torch.device, pixels: PixelEncoder | None = None
+) -> torch.Tensor:
+    """Summed NLL of one micro-batch's loss tokens (a scalar to backpropagate); the rows' images are read and
+    processed here, from their references (`pixels`)."""
     inputs = stack(rows, device)
     targets = inputs["target_ids"].masked_fill(~inputs["loss_mask"], -100)
     positions = None if single_documents(rows) else inputs["position_ids"]
+    extra: dict[str, Any] = {"chunk_size": config.loss_chunk_size}
+    refs = [ref for row in rows for ref in row.images]
+    if refs and pixels is not None:
+        pixel_values, grid_thw = pixels.encode(refs)
+        extra["images"] = Images(pixel_values.to(device), grid_thw.to(device))
     if config.speed.fused_loss:
-        return model(inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, nll_sum=True)
-    out = model(inputs["input_ids"], positions, targets=targets, chunk_size=config.loss_chunk_size, with_entropy=False)
+        return model(inputs["input_ids"], positions, targets=targets, nll_sum=True, **extra)
+    out = model(inputs["input_ids"], positions, targets=targets, with_entropy=False, **extra)
     return -out.logprobs.sum()
 
 

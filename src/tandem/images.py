@@ -1,0 +1,124 @@
+"""Images carried inline in chat messages, as OpenAI's content parts, and read into pixels only where a model needs
+them (the trainer, the inference server).
+
+A message's `content` may be a list of parts: `{"type": "text", "text": ...}` and `{"type": "image_url",
+"image_url": {"url": REF}}` (OpenAI's) or `{"type": "image", "image": REF}`. REF is a data URL
+(`data:image/png;base64,...`) or a local file path; rollouts, datasets and batches carry REF itself, never pixel
+tensors, so every process reads the same bytes. Remote URLs are refused: a trainer must not fetch what a rollout
+saw from a server that may have changed it since.
+
+`read_image` checks before it decodes: the size of the encoded bytes, the format, the pixel count from the
+header; a bad image is an `ImageError` naming what is wrong. Pillow is needed only here (`pip install
+tandem[vision]`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+MAX_IMAGE_BYTES = 20 * 2**20
+"""Largest encoded image (data URL payload or file)."""
+MAX_IMAGE_PIXELS = 40_000_000
+"""Largest image by width x height, checked from the header before the pixels are decoded."""
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+class ImageError(ValueError):
+    """An image reference or image that cannot be used; the message says why."""
+
+
+def image_refs(messages: Any) -> list[str]:
+    """The image references of chat `messages`, in order (parts of list contents)."""
+    return [ref for message in messages or () for ref in _message_refs(message)]
+
+
+def _message_refs(message: Any) -> Iterator[str]:
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list):
+        return
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") not in ("image_url", "image"):
+            continue
+        ref = part.get("image_url", {}).get("url") if part["type"] == "image_url" else part.get("image")
+        if not isinstance(ref, str) or not ref:
+            raise ImageError(f"an {part['type']} part needs a data URL or a file path, got {ref!r}")
+        yield ref
+
+
+def read_image_bytes(ref: str, root: Path | None = None) -> bytes:
+    """The encoded bytes of `ref`: a data URL's payload, or a file (inside `root` when given)."""
+    if ref.startswith("data:"):
+        header, _, payload = ref.partition(",")
+        if not header.endswith(";base64"):
+            raise ImageError("an image data URL must be base64 (data:image/...;base64,...)")
+        if len(payload) * 3 // 4 > MAX_IMAGE_BYTES:
+            raise ImageError(f"the image is over {MAX_IMAGE_BYTES // 2**20} MiB")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError("the image data URL is not valid base64") from None
+    if "://" in ref:
+        raise ImageError(f"remote image URLs are refused ({ref.split('://')[0]}://...): send a data URL")
+    path = Path(ref).expanduser()
+    if root is not None:
+        path = (root / path).resolve()
+        if not path.is_relative_to(root.resolve()):
+            raise ImageError(f"image path {ref} lies outside {root}")
+    if not path.is_file():
+        raise ImageError(f"image file {ref} does not exist")
+    if path.stat().st_size > MAX_IMAGE_BYTES:
+        raise ImageError(f"image file {ref} is over {MAX_IMAGE_BYTES // 2**20} MiB")
+    return path.read_bytes()
+
+
+def read_image(ref: str, root: Path | None = None) -> Any:
+    """`ref` decoded as an RGB `PIL.Image`, after checking its size and format."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise ImageError("images need Pillow: pip install 'tandem[vision]'") from None
+    data = read_image_bytes(ref, root)
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError):
+        raise ImageError("the image bytes are not an image Pillow can read") from None
+    if image.format not in FORMATS:
+        raise ImageError(f"image format {image.format} is not supported ({', '.join(FORMATS)})")
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ImageError(f"the image is {width} x {height} pixels, over {MAX_IMAGE_PIXELS:,}")
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError):
+        raise ImageError("the image bytes are truncated or corrupt") from None
+
+
+class PixelEncoder:
+    """A vision-language model's image processor (transformers', from the model directory's
+    `preprocessor_config.json`): image references -> pixel patches `[P, C * T * p * p]` and (t, h, w) patch grids
+    `[N, 3]`, and how many placeholder tokens each image takes (one per `merge_size` x `merge_size` patches)."""
+
+    def __init__(self, model_dir: str | Path, root: Path | None = None) -> None:
+        from transformers import AutoImageProcessor
+
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        except (OSError, ValueError) as error:
+            raise ImageError(f"{model_dir} has no image processor (preprocessor_config.json): {error}") from None
+        self.merge = int(getattr(self.processor, "merge_size", 2))
+        self.root = root
+
+    def encode(self, refs: list[str]) -> tuple[Any, Any]:
+        """(pixel_values, image_grid_thw) of the images `refs`, in order."""
+        out = self.processor(images=[read_image(ref, self.root) for ref in refs], return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def placeholders(self, ref: str) -> int:
+        """Placeholder tokens image `ref` takes: its merged patches."""
+        _, grid = self.encode([ref])
+        return int(grid.prod()) // self.merge**2

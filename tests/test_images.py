@@ -1,0 +1,69 @@
+"""Image references in chat messages (`tandem.images`): what is read, and every bad image refused by name before
+its pixels are decoded."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+
+from tandem.images import MAX_IMAGE_PIXELS, ImageError, image_refs, read_image, read_image_bytes
+
+Image = pytest.importorskip("PIL.Image", reason="images need Pillow")
+
+
+def _data_url(image, format: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format)
+    return f"data:image/{format.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_refs_come_from_both_part_spellings_in_order():
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "and"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+        {"role": "assistant", "content": "plain text"},
+    ]  # fmt: skip
+    assert image_refs(messages) == ["a.png", "data:image/png;base64,AA=="]
+    with pytest.raises(ImageError, match="needs a data URL or a file path"):
+        image_refs([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_data_urls_and_files_read_as_rgb(tmp_path):
+    red = Image.new("RGBA", (5, 3), (255, 0, 0, 255))
+    assert read_image(_data_url(red)).mode == "RGB" and read_image(_data_url(red, "JPEG" if False else "PNG")).size == (
+        5,
+        3,
+    )
+    red.convert("RGB").save(tmp_path / "red.jpg")
+    assert read_image("red.jpg", root=tmp_path).size == (5, 3)
+
+
+def test_bad_images_are_refused_by_name(tmp_path):
+    with pytest.raises(ImageError, match="remote image URLs are refused"):
+        read_image("https://example.com/a.png")
+    with pytest.raises(ImageError, match="not valid base64"):
+        read_image("data:image/png;base64,@@@")
+    with pytest.raises(ImageError, match="must be base64"):
+        read_image("data:image/png,rawbytes")
+    with pytest.raises(ImageError, match="not an image Pillow can read"):
+        read_image("data:image/png;base64," + base64.b64encode(b"not an image").decode())
+    png = base64.b64decode(_data_url(Image.new("RGB", (40, 40), (9, 99, 199))).partition(",")[2])
+    with pytest.raises(ImageError, match="truncated or corrupt"):
+        read_image("data:image/png;base64," + base64.b64encode(png[: len(png) // 2]).decode())
+    with pytest.raises(ImageError, match="format TIFF is not supported"):
+        read_image(_data_url(Image.new("RGB", (4, 4)), "TIFF"))
+    (tmp_path / "inside").mkdir()
+    (tmp_path / "secret.png").write_bytes(b"x")
+    with pytest.raises(ImageError, match="lies outside"):
+        read_image_bytes("../secret.png", root=tmp_path / "inside")
+    with pytest.raises(ImageError, match="does not exist"):
+        read_image("missing.png", root=tmp_path)
+
+
+def test_a_huge_image_is_refused_from_its_header():
+    side = int(MAX_IMAGE_PIXELS**0.5) + 1
+    huge = Image.new("1", (side, side))  # 1 bit a pixel: a small file of many pixels
+    with pytest.raises(ImageError, match="pixels, over"):
+        read_image(_data_url(huge))
