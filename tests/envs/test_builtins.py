@@ -17,7 +17,7 @@ def reward(taskset, task, completion) -> float:
     return asyncio.run(taskset.score(task, completion)).reward
 
 
-@pytest.mark.parametrize("taskset_id", ["reverse_text", "arithmetic", "guess_number"])
+@pytest.mark.parametrize("taskset_id", ["reverse_text", "arithmetic", "guess_number", "count_shapes"])
 def test_synthetic_tasks_depend_only_on_seed_and_idx(taskset_id):
     finite = load_taskset(taskset_id, seed=3, num_tasks=10).tasks()
     infinite = list(itertools.islice(load_taskset(taskset_id, seed=3).tasks(), 10))
@@ -80,3 +80,25 @@ def test_arithmetic_names_are_operations():
 def test_arithmetic_checks_operations():
     with pytest.raises(ValueError, match="operations"):
         load_taskset("arithmetic", operations=["div"])
+
+
+def test_count_shapes_shows_the_counted_shapes_inline():
+    """The image is a PNG data URL part of the prompt; counting its pixels of the asked colour's shapes gives the
+    answer; the reward checks the final number."""
+    Image = pytest.importorskip("PIL.Image", reason="count_shapes draws with Pillow")
+    from tandem.envs.builtin.count_shapes import COLOURS
+    from tandem.images import image_refs, read_image
+
+    taskset = load_taskset("count_shapes", seed=2, num_tasks=20)
+    for task in taskset.tasks():
+        (ref,) = image_refs(task.messages())
+        image = read_image(ref)
+        assert isinstance(image, Image.Image) and image.size == (64, 64)
+        shapes = task.info["shapes"]
+        assert task.answer == str(shapes.count(task.name)) and task.name in COLOURS
+        present = {name for name, rgb in COLOURS.items() if rgb in {c for _, c in image.getcolors(4096)}}
+        assert present == set(shapes)  # every drawn colour is in the picture, no other
+        assert reward(taskset, task, f"There are {task.answer}") == 1.0
+        assert reward(taskset, task, str(int(task.answer) + 1)) == 0.0
+    with pytest.raises(ValueError, match="max_shapes"):
+        load_taskset("count_shapes", max_shapes=0)

@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "gsm8k": "tandem.envs.builtin.gsm8k:GSM8K",
     "guess_number": "tandem.envs.builtin.guess_number:GuessNumber",
     "calculator": "tandem.envs.builtin.calculator:Calculator",
+    "count_shapes": "tandem.envs.builtin.count_shapes:CountShapes",
 }
 
 
