@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.inference.decode import EagerDecoder, StepFunction, check_slots, decode_step, state_arg, write_inputs
+from tandem.inference.decode import (
+    EagerDecoder,
+    StepFunction,
+    check_rope_offsets,
+    check_slots,
+    decode_step,
+    header_width,
+    state_arg,
+    write_inputs,
+)
 from tandem.models import CausalLM, KVCache, StateCache
 
 logger = logging.getLogger(__name__)
@@ -71,14 +80,16 @@ class GraphedDecoder:
         tables: Sequence[Sequence[int]],
         device_tokens: torch.Tensor | None = None,
         slots: Sequence[int] | None = None,
+        rope_offsets: Sequence[int] | None = None,
     ) -> torch.Tensor:
         check_slots(self.state, slots)
+        check_rope_offsets(self.model, rope_offsets)
         rows = next((b for b in self.batch_sizes if b >= len(tokens)), None)
         width = next(w for w in self.widths if w >= max(len(table) for table in tables))
         graph = None if rows is None else self._graph(rows, width)
         if graph is None:
-            return self.eager(tokens, lengths, tables, device_tokens, slots)
-        write_inputs(graph.inputs, tokens, lengths, tables, device_tokens, slots)
+            return self.eager(tokens, lengths, tables, device_tokens, slots, rope_offsets)
+        write_inputs(graph.inputs, tokens, lengths, tables, device_tokens, slots, rope_offsets)
         graph.graph.replay()
         return graph.logits[: len(tokens)]
 
@@ -97,7 +108,7 @@ class GraphedDecoder:
         return self._graphs[key]
 
     def _capture(self, rows: int, width: int) -> _Graph:
-        header = 2 if self.state is None else 3  # the state slot column: 0, the scratch slot, as the blocks
+        header = header_width(self.model, self.state)  # a state slot or RoPE offset column: 0, as the blocks
         inputs = torch.zeros(rows, header + width, dtype=torch.int64, device=self.cache.device)  # all scratch
         extra = state_arg(self.state)
         side = torch.cuda.Stream(self.cache.device)

@@ -31,9 +31,12 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.config.inference import InferenceConfig
+from tandem.images import PixelEncoder
 from tandem.inference.kv_budget import kv_cache_blocks, state_slots
 from tandem.inference.limits import BatchLimits, RequestRefused, ServerLimits, check_prompt
 from tandem.inference.outputs import Collector, PromptLogprobs, RequestUpdate, SampleRecord
+from tandem.inference.prompt_images import PromptImages
+from tandem.inference.prompt_images import expand as expand_prompt
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.requests import Requests, Sampled
 from tandem.inference.runner import Runner
@@ -97,8 +100,11 @@ class Engine:
         *,
         tokenizer: Any = None,
         eos_token_ids: Iterable[int] = (),
+        pixels: PixelEncoder | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
+        self.pixels = pixels
+        """A vision-language model's image processor: requests with images need it."""
         self.device = model.lm_head_weight.device
         self.vocab_size, self.max_model_len = model.args.vocab_size, config.seq_len
         num_blocks = kv_cache_blocks(config, model.args, model.lm_head_weight.dtype, self.device)
@@ -165,14 +171,18 @@ class Engine:
         detokenize: bool = False,
         request_id: str | None = None,
         adapter: bool = True,
+        images: PromptImages | None = None,
     ) -> str:
         """Queue a request; raises RequestRefused (a ValueError naming the problem) for one the engine cannot serve.
 
         `on_update` is called on the engine thread: every step the request progresses when `stream`, else once
         at the end; the last update has `finished=True`. `detokenize` adds text (stop strings cut it).
         `adapter=False` runs a model served with unfolded LoRA adapters without them (the base model).
+        `images`: a vision-language prompt's images, from `expand_images` (which gave `prompt` too).
         """
         prompt = list(prompt)
+        if images is not None and images.positions.shape[1] != len(prompt):
+            raise RequestRefused("images: expand the prompt with expand_images and submit what it returns")
         max_tokens = self.check(prompt, params, n=n, detokenize=detokenize)
         if not adapter and self.runner.adapter_gates is None and lora_args(self.model) is not None:
             raise RequestRefused("this server's LoRA adapters are folded into its weights: it cannot serve the base")
@@ -187,11 +197,27 @@ class Engine:
             detokenize=detokenize,
             on_update=on_update,
             adapter=adapter,
+            images=images,
         )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(len(prompt), params.prompt_logprobs)
         self._send(lambda: self.requests.add(request))
         return request.id
+
+    def expand_images(self, prompt: list[int], refs: list[str]) -> tuple[list[int], PromptImages]:
+        """A vision-language prompt with one placeholder token per image and the images' data URLs: the prompt
+        with each placeholder expanded to the image's merged patches, and the images read and processed for
+        `submit`, here on the caller's thread (the engine thread only runs the vision tower). RequestRefused for
+        a model without images, a reference other than a data URL, or an image that is unreadable or too large."""
+        image_token = self.model.args.image_token_id
+        if self.model.visual is None or self.pixels is None or image_token is None:
+            raise RequestRefused(f"{self.model.args.architecture} takes no images")
+        if not all(ref.startswith("data:") for ref in refs):
+            raise RequestRefused("images: the server takes data URLs only (data:image/png;base64,...)")
+        try:
+            return expand_prompt(prompt, refs, self.pixels, image_token)
+        except ValueError as error:
+            raise RequestRefused(str(error)) from None
 
     def cancel(self, request_id: str) -> None:
         """Abort a request (finish reason "abort") and free its cache; unknown or finished ids are ignored."""

@@ -35,6 +35,8 @@ def fused_decode_supported(model: CausalLM) -> str | None:
     args = model.args
     if args.is_hybrid:
         return "recurrent-state layers (a hybrid model: linear attention, Mamba): the kernels cover attention only"
+    if model.visual is not None:
+        return "a vision-language model: its M-RoPE offsets run in the module step"
     if lora_args(model) is not None and not lora_folded(model):
         return "unfolded LoRA adapters (inference.lora_fold = false): the kernels read only each projection's `.weight`"
     if args.mla is not None:

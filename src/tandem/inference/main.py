@@ -22,6 +22,7 @@ import uvicorn
 
 from tandem.config import ConfigError
 from tandem.config.inference import InferenceConfig
+from tandem.images import PixelEncoder
 from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
 from tandem.inference.serving_log import ServingSummary
@@ -197,7 +198,10 @@ def run(config: InferenceConfig) -> int:
     try:
         model = load_served_model(config, model_dir, device, lora)
         tokenizer = _tokenizer(model_dir)
-        engine = Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer))
+        pixels = PixelEncoder(model_dir) if model.visual is not None else None  # images: data URLs in requests
+        engine = Engine(
+            model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer), pixels=pixels
+        )
         engine.start()
         name, base_name = served_names(config, model_dir)
         logger.info(

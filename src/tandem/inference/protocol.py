@@ -138,6 +138,9 @@ class SamplingParams(RequestModel):
 class GenerateRequest(RequestModel):
     prompt_token_ids: list[int] | list[list[int]] = Field(min_length=1)
     """One prompt, or several (each sampled n times)."""
+    images: list[list[str]] | None = None
+    """A vision-language model's images, one list of data URLs per prompt; each image has one placeholder token
+    (the model's `image_token_id`) in its prompt, which the response's `prompt_token_ids` has expanded."""
     n: SampleCount = 1
     """Samples per prompt; they share the prompt's prefill."""
     sampling: SamplingParams = SamplingParams()
@@ -153,6 +156,8 @@ class GenerateRequest(RequestModel):
     def _prompts_and_samples(self) -> GenerateRequest:
         if any(not prompt for prompt in self.prompts):
             raise ValueError("prompt_token_ids: a prompt has no tokens")
+        if self.images is not None and len(self.images) != len(self.prompts):
+            raise ValueError(f"images: one list per prompt ({len(self.prompts)}), got {len(self.images)}")
         check_sample_count(len(self.prompts), self.n)
         return self
 
@@ -200,6 +205,10 @@ class SampleOutput(WireModel):
 class PromptOutput(WireModel):
     prompt_token_count: int
     samples: list[SampleOutput]
+    prompt_token_ids: list[int] | None = None
+    """With images: the prompt as it ran, each image's placeholder expanded to one token per merged patch."""
+    image_spans: list[tuple[int, int]] | None = None
+    """With images: each image's placeholder tokens, `[start, end)` in `prompt_token_ids`."""
     prompt_logprobs: list[float | None] | None = None
     """With sampling.prompt_logprobs: per prompt token, its logprob given the tokens before it (the first null)."""
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
@@ -322,18 +331,37 @@ class ContentPart(RequestModel):
     text: str
 
 
+class ImageUrl(RequestModel):
+    url: str
+    """A data URL (`data:image/png;base64,...`): the server reads no files and fetches nothing."""
+    detail: str | None = None
+
+
+class ImagePart(RequestModel):
+    """An image for a vision-language model (OpenAI's `image_url` part)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(BaseModel):
     """A chat message; extra keys (tool calls, names, reasoning) go to the chat template unchanged."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | ImagePart] | None = None
+
+    @property
+    def image_urls(self) -> list[str]:
+        return [part.image_url.url for part in self.content or () if isinstance(part, ImagePart)]
 
     def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it: text parts joined, or with images the parts themselves
+        (Qwen-VL templates write an image placeholder for each image part)."""
         data = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            data["content"] = "".join(part.text for part in self.content)
+        if isinstance(self.content, list) and not self.image_urls:
+            data["content"] = "".join(part.text for part in self.content if isinstance(part, ContentPart))
         return data
 
 

@@ -37,6 +37,8 @@ from tandem.inference.decode import EagerDecoder, StepFunction, copy_to_device, 
 from tandem.inference.fused_decode import fused_decode_step, fused_decode_supported
 from tandem.inference.kv_budget import block_bytes, state_bytes
 from tandem.inference.outputs import PromptLogprobs
+from tandem.inference.prompt_images import chunk_features, chunk_positions, step_features
+from tandem.inference.prompt_images import encode as encode_images
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.requests import Sampled
 from tandem.inference.sampling import Sampler, SamplingBatch
@@ -275,13 +277,14 @@ class Runner:
         input_ids = torch.tensor(ids, device=self.device)
         self._gate_adapters([seq.request.adapter for seq, take in chunks for _ in range(take)])
         state = self._state_args([seq.slot for seq in seqs], [seq.num_cached for seq in seqs])  # () unless hybrid
+        vision = self._vision_args(chunks) if self.model.visual is not None else {}
         scoring = self._prompt_targets(chunks)
         if scoring[0]:  # only requests that asked for prompt logprobs pay for the hidden states of every token
-            hidden = self.model.cached_hidden_states(input_ids, self.cache, batch, *state)
+            hidden = self.model.cached_hidden_states(input_ids, self.cache, batch, *state, **vision)
             logits = self.model.compute_logits(hidden[batch.last_index])
             self._score_prompts(hidden, *scoring)
         else:
-            logits = self.model.prefill(input_ids, self.cache, batch, *state)
+            logits = self.model.prefill(input_ids, self.cache, batch, *state, **vision)
         rows: list[int] = []
         ready: list[Sequence] = []
         for row, (seq, take) in enumerate(chunks):
@@ -298,6 +301,23 @@ class Runner:
             rows += [row] * len(group)
             ready += group
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], ready
+
+    def _vision_args(self, chunks: list[tuple[Sequence, int]]) -> dict[str, Any]:
+        """A vision-language model's prefill arguments: the chunks' M-RoPE positions `[3, T]` and the image features
+        of the placeholders among them (each request's images encoded at its first prefill, once for all samples)."""
+        positions, mask, parts = [], [], []
+        for seq, take in chunks:
+            images = seq.request.images
+            positions.append(chunk_positions(images, seq.num_cached, take))
+            chunk_mask, rows = chunk_features(images, seq.num_cached, take)
+            mask += chunk_mask
+            if images is not None and rows is not None:
+                encode_images(self.model, images)
+                parts.append((images, rows))
+        out: dict[str, Any] = {"rope_positions": torch.cat(positions, dim=1).to(self.device)}
+        if parts:
+            out["visual"] = step_features(parts, torch.tensor([mask], device=self.device))
+        return out
 
     def _prompt_targets(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[int], list[int], list[PromptLogprobs]]:
         """The packed rows of these prompt chunks that score prompt tokens not scored yet, the token each scores
@@ -342,7 +362,10 @@ class Runner:
         tokens = [seq.tokens[-1] for seq in seqs]  # a place-holder where `device_tokens` has the token
         lengths, tables = [seq.num_cached for seq in seqs], [seq.blocks for seq in seqs]
         self._gate_adapters([seq.request.adapter for seq in seqs])
-        if self.state is None:
+        if self.model.visual is not None:  # M-RoPE: positions after an image run at a fixed offset
+            offsets = [0 if seq.request.images is None else seq.request.images.offset for seq in seqs]
+            logits = self.decoder(tokens, lengths, tables, device_tokens, rope_offsets=offsets)
+        elif self.state is None:
             logits = self.decoder(tokens, lengths, tables, device_tokens)
         else:
             logits = self.decoder(tokens, lengths, tables, device_tokens, [seq.slot for seq in seqs])

@@ -31,6 +31,7 @@ from typing import Any
 
 from tandem.inference.detokenize import IncrementalDetokenizer
 from tandem.inference.outputs import PromptLogprobs, RequestUpdate, SampleRecord
+from tandem.inference.prompt_images import PromptImages
 from tandem.inference.protocol import SamplingParams
 
 SCRATCH_BLOCK = 0
@@ -100,6 +101,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     adapter: bool = True
     """With LoRA adapters served unfolded: run with them (the adapter's model name) or without (the base's)."""
+    images: PromptImages | None = None
+    """A vision-language prompt's images (expanded placeholders, M-RoPE positions, features once encoded)."""
 
     @property
     def done(self) -> bool:

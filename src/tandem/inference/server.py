@@ -47,6 +47,7 @@ from tandem.inference.http import (
     unless_client_gone,
 )
 from tandem.inference.outputs import Collector, RequestUpdate, SampleUpdate
+from tandem.inference.prompt_images import PromptImages
 from tandem.inference.prompt_tokens import ContextTokenizer
 from tandem.inference.protocol import (
     ChatCompletionRequest,
@@ -81,7 +82,9 @@ class RequestGroup:
         stream: bool,
         text: bool,
         adapter: bool = True,
+        images: list[PromptImages | None] | None = None,
     ) -> None:
+        images = images or [None] * len(prompts)
         with refusals():  # every prompt, before anything is made or queued for any
             for prompt in prompts:
                 engine.check(prompt, params, n=n, detokenize=text)
@@ -92,11 +95,10 @@ class RequestGroup:
         self.ids: list[str] = []
         try:
             with refusals():
-                for index, prompt in enumerate(prompts):
+                for index, (prompt, prompt_images) in enumerate(zip(prompts, images, strict=True)):
                     deliver = partial(self._deliver, loop, index)
-                    self.ids.append(
-                        engine.submit(prompt, params, deliver, n=n, stream=stream, detokenize=text, adapter=adapter)
-                    )
+                    submit = partial(engine.submit, n=n, stream=stream, detokenize=text, adapter=adapter)
+                    self.ids.append(submit(prompt, params, deliver, images=prompt_images))
         except HTTPError:
             self.cancel()
             raise
@@ -210,6 +212,26 @@ class InferenceServer:
         chosen = check_model(name, self.model_name, *([self.base_name] if self.base_name else []))
         return chosen, chosen != self.base_name
 
+    async def _with_images(
+        self, prompts: list[list[int]], refs: list[list[str]] | None
+    ) -> tuple[list[list[int]], list[PromptImages | None]]:
+        """The prompts with their images' placeholders expanded and the images read, off the event loop (400 for a
+        bad image, before any prompt is queued)."""
+        if not refs or not any(refs):
+            return prompts, [None] * len(prompts)
+        expanded: list[list[int]] = []
+        images: list[PromptImages | None] = []
+        with refusals():
+            for prompt, urls in zip(prompts, refs, strict=True):
+                if not urls:
+                    expanded.append(prompt)
+                    images.append(None)
+                    continue
+                ids, prompt_images = await asyncio.to_thread(self.engine.expand_images, prompt, urls)
+                expanded.append(ids)
+                images.append(prompt_images)
+        return expanded, images
+
     async def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
         """The rendered, tokenized conversation, on a worker thread (under a deadline when the request brings its
         own template)."""
@@ -283,9 +305,15 @@ class InferenceServer:
         body = await parse(request, GenerateRequest, self.max_body_bytes, msgpack=True)
         name, adapter = self._check_model(body.model)
         params = body.sampling
-        group = RequestGroup(self.engine, body.prompts, params, body.n, stream=False, text=False, adapter=adapter)
+        prompts, images = await self._with_images(body.prompts, body.images)
+        group = RequestGroup(
+            self.engine, prompts, params, body.n, stream=False, text=False, adapter=adapter, images=images
+        )
         await group.finish(request)
-        outputs = [c.to_output(len(p), params) for p, c in zip(body.prompts, group.collectors, strict=True)]
+        outputs = [c.to_output(len(p), params) for p, c in zip(prompts, group.collectors, strict=True)]
+        for output, prompt, prompt_images in zip(outputs, prompts, images, strict=True):
+            if prompt_images is not None:
+                output.prompt_token_ids, output.image_spans = prompt, prompt_images.spans
         response = GenerateResponse(model=name, policy_version=self.engine.version, outputs=outputs)
         return encoded_response(request, response)
 
@@ -329,7 +357,11 @@ class InferenceServer:
             tools = openai_api.chat_tools(body.tools, body.tool_choice, self.prompt_tokenizer)
             prompt = await self._chat_prompt(body, tools and tools[0])
             params = openai_api.chat_sampling(body)
-        group = RequestGroup(self.engine, [prompt], params, body.n, stream=body.stream, text=True, adapter=adapter)
+        urls = [url for message in body.messages for url in message.image_urls]
+        (prompt,), images = await self._with_images([prompt], [urls])
+        group = RequestGroup(
+            self.engine, [prompt], params, body.n, stream=body.stream, text=True, adapter=adapter, images=images
+        )
         reply = openai_api.ChatReply(body, self.tokenizer, name, prompt, tools and tools[1])
         if body.stream:
 

@@ -317,13 +317,20 @@ class CausalLM(nn.Module):
         batch: CacheBatch,
         state: StateCache | None = None,
         state_batch: StateBatch | None = None,
+        *,
+        rope_positions: torch.Tensor | None = None,
+        visual: VisualFeatures | None = None,
     ) -> torch.Tensor:
         """Run prompt chunks packed as `[T]`, filling the cache; logits `[N, V]` at each sequence's last token.
 
         Hybrid models (`args.is_hybrid`) also take the linear layers' `state` cache and the step's `state_batch`
-        (`state.batch(slots, cached_lens)`, sequences in `batch`'s order).
+        (`state.batch(slots, cached_lens)`, sequences in `batch`'s order). Vision-language models take the chunks'
+        M-RoPE `rope_positions` `[3, T]` and their image features (`visual`, mask `[1, T]`).
         """
-        return self._cached(input_ids, cache, batch, state, state_batch)
+        hidden = self.cached_hidden_states(
+            input_ids, cache, batch, state, state_batch, rope_positions=rope_positions, visual=visual
+        )
+        return self.compute_logits(hidden[batch.last_index])
 
     def decode(
         self,
@@ -345,12 +352,16 @@ class CausalLM(nn.Module):
         batch: CacheBatch,
         state: StateCache | None = None,
         state_batch: StateBatch | None = None,
+        *,
+        rope_positions: torch.Tensor | None = None,
+        visual: VisualFeatures | None = None,
     ) -> torch.Tensor:
         """Like `prefill`, but the final hidden states `[T, H]` of every new token: prompt logprobs score them all."""
         if self.args.is_hybrid and (state is None or state_batch is None):
             raise ValueError(f"{self.args.architecture} has recurrent layers: pass a StateCache and StateBatch")
         attn = AttnInputs(cache=cache, cache_batch=batch, state=state, state_batch=state_batch)
-        return self.hidden_states(input_ids[None], batch.positions[None], attn)[0]
+        positions = batch.positions[None] if rope_positions is None else rope_positions[:, None]
+        return self.hidden_states(input_ids[None], positions, attn, visual)[0]
 
     def _cached(
         self,

@@ -1,0 +1,134 @@
+"""The built-in engine serving vision-language models (Qwen3-VL, Qwen2.5-VL) with images inline: samples scored as
+the trainer scores them (fp32, two images of different sizes, n = 2 sharing one encoding, beside a text-only
+request), `/generate` returning the expanded prompt and each image's placeholder span, bad images refused with a
+400 while the server keeps serving, and the `openai` client sending an image to chat completions."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+import torch
+
+from support.inference import ServerThread, engine_config
+from support.vision_models import FAMILIES, image_data_url, write_servable_vl_model
+from tandem.images import PixelEncoder
+from tandem.inference.engine import Engine
+from tandem.inference.main import eos_token_ids
+from tandem.inference.protocol import SamplingParams
+from tandem.models import load_model
+from tandem.models.decoder import Images
+
+pytest.importorskip("PIL", reason="images need Pillow")
+IMAGES = [image_data_url((200, 30, 30), (16, 16)), image_data_url((30, 30, 200), (24, 16), "disc")]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vl_dir(request, tmp_path_factory):
+    return write_servable_vl_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture
+def served(vl_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vl_dir)
+    config = engine_config(vl_dir, device="cpu", model={"name": str(vl_dir), "dtype": "float32"})
+    model = load_model(vl_dir, dtype=torch.float32)
+    engine = Engine(
+        model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(vl_dir, tokenizer), pixels=PixelEncoder(vl_dir)
+    ).start()
+    yield engine, tokenizer
+    engine.stop()
+
+
+def _prompt(tokenizer, images: list[str]) -> list[int]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "what is shown?"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _trainer_logprobs(vl_dir, prompt, images, tokens) -> torch.Tensor:
+    model = load_model(vl_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + tokens])
+    extra = {} if images is None else {"images": Images(images.pixel_values, images.grid_thw)}
+    with torch.no_grad():
+        logprobs = model(ids, **extra)[0, len(prompt) - 1 : -1].log_softmax(-1)
+    return logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0].double()
+
+
+def test_samples_are_scored_as_the_trainer_scores_them(vl_dir, served):
+    engine, tokenizer = served
+    prompt, images = engine.expand_images(_prompt(tokenizer, IMAGES), IMAGES)
+    spans = images.spans
+    assert [end - start for start, end in spans] == [4, 6]  # 16 x 16 and 24 x 16 pixels in 4 x 4 patches, 2 x 2
+    assert all(prompt[start:end] == [prompt[spans[0][0]]] * (end - start) for start, end in spans)
+    text = _prompt(tokenizer, [])
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=3)
+    finished = {}
+    for name, ids, request_images, n in (("image", prompt, images, 2), ("text", text, None, 1)):
+        engine.submit(ids, params, lambda u, name=name: u.finished and finished.setdefault(name, u), n=n,
+                      images=request_images)  # fmt: skip
+    from support.polling import wait_until
+
+    wait_until(lambda: len(finished) == 2, "both requests to finish")
+    assert images.embeds is not None  # encoded once, for both samples
+    for name, ids, request_images in (("image", prompt, images), ("text", text, None)):
+        for sample in finished[name].samples:
+            p = _trainer_logprobs(vl_dir, ids, request_images, sample.token_ids)
+            q = torch.tensor(sample.logprobs, dtype=torch.float64)
+            kl = (torch.exp(q - p) - (q - p) - 1).mean().item()
+            assert abs(kl) < 1e-6 and (p - q).abs().max() < 1e-5, (name, (p - q).abs().max())
+
+
+def test_generate_expands_images_and_refuses_bad_ones(vl_dir, served, tmp_path):
+    engine, tokenizer = served
+    server = ServerThread(engine, tokenizer, tmp_path)
+    try:
+        prompt = _prompt(tokenizer, IMAGES[:1])
+        body = {"prompt_token_ids": [prompt, _prompt(tokenizer, [])], "images": [IMAGES[:1], []],
+                "sampling": {"max_tokens": 3, "temperature": 0}}  # fmt: skip
+        answer = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        with_image, text_only = answer.json()["outputs"]
+        (span,) = with_image["image_spans"]
+        image_token = json.loads((vl_dir / "config.json").read_text())["image_token_id"]
+        assert span[1] - span[0] == 4 and with_image["prompt_token_ids"][span[0] : span[1]] == [image_token] * 4
+        assert with_image["prompt_token_count"] == len(prompt) + 3 and text_only.get("image_spans") is None
+        corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG not really").decode()
+        for urls, reason in (
+            ([corrupt], "not an image"),
+            (["/etc/passwd"], "data URLs only"),
+            (["https://example.com/a.png"], "data URLs only"),
+            (IMAGES, "2 images"),  # one placeholder for two images
+        ):
+            body = {"prompt_token_ids": prompt, "images": [urls], "sampling": {"max_tokens": 2}}
+            refused = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+            assert refused.status_code == 400 and reason in refused.text, refused.text
+        assert httpx.post(f"{server.url}/generate", json={**body, "images": [IMAGES[:1]]}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_the_openai_client_sends_an_image(served, tmp_path):
+    import openai
+
+    engine, tokenizer = served
+    server = ServerThread(engine, tokenizer, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        content = [{"type": "image_url", "image_url": {"url": IMAGES[0]}}, {"type": "text", "text": "what is shown?"}]
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0
+        )
+        expanded, _ = engine.expand_images(_prompt(tokenizer, IMAGES[:1]), IMAGES[:1])
+        assert reply.usage.prompt_tokens == len(expanded) == len(_prompt(tokenizer, IMAGES[:1])) + 3  # 4 patches
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
+        with pytest.raises(openai.BadRequestError, match="data URLs only"):
+            content[0]["image_url"]["url"] = "https://example.com/a.png"
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2)
+    finally:
+        server.stop()
