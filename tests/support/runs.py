@@ -92,13 +92,15 @@ def write_rl_sources(folder: Path, env_id: str = "reverse_text") -> str:
     return str(path)
 
 
-def two_on_policy_rl_steps(model_dir: Path, out: Path, *flags: str) -> tuple[dict[str, torch.Tensor], ...]:
-    """`tandem rl` for two steps at async_level 0 on reverse_text (16-token replies, every group trained, no eval),
+def two_on_policy_rl_steps(
+    model_dir: Path, out: Path, *flags: str, taskset: str = "reverse_text"
+) -> tuple[dict[str, torch.Tensor], ...]:
+    """`tandem rl` for two steps at async_level 0 on `taskset` (16-token replies, every group trained, no eval),
     checking what any such run shows: two trainer steps, step 2 sampled by the policy of step 1, and a mismatch KL
     below 1e-3 (each batch is sampled by the weights the trainer holds, so it is numerical only). Returns the
     weights of `model_dir` and of the final policy, by Hugging Face name."""
     sources = out / "sources.toml"
-    sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\nsampling = { max_tokens = 16 }\n')
+    sources.write_text(f'[[orchestrator.source]]\nid = "{taskset}"\nsampling = {{ max_tokens = 16 }}\n')
     tandem_rl(
         model_dir, out, "@", str(sources), "--max-steps", "2", "--orchestrator.async-level", "0",
         "--orchestrator.no-filter-zero-advantage", "--orchestrator.eval.interval", "0", *flags,

@@ -159,6 +159,9 @@ class Images:
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    placeholders: torch.Tensor | None = None
+    """`[B, S]` bool, True at the images' placeholder tokens; None: every `image_token_id` is one. Batches of
+    sampled completions pass it: a completion may sample the placeholder id as text."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ class CausalLM(nn.Module):
         if self.visual is None or self.args.image_token_id is None:
             raise ValueError(f"{self.args.architecture} takes no images (it has no vision tower)")
         embeds, deepstack = self.visual(images.pixel_values, images.grid_thw)
-        mask = input_ids == self.args.image_token_id
+        mask = input_ids == self.args.image_token_id if images.placeholders is None else images.placeholders.bool()
         if int(mask.sum()) != embeds.shape[0]:
             raise ValueError(
                 f"{int(mask.sum())} image placeholder tokens for {embeds.shape[0]} image features "
@@ -287,7 +290,7 @@ class CausalLM(nn.Module):
             visual = self.visual_features(input_ids, images)
             merge = self.visual.args.spatial_merge_size
             rope_positions = mrope_positions(
-                input_ids, self.args.image_token_id, images.grid_thw, merge, position_ids, attention_mask
+                input_ids, self.args.image_token_id, images.grid_thw, merge, position_ids, attention_mask, visual.mask
             )
         elif position_ids is None:
             rope_positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)

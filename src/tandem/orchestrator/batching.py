@@ -18,7 +18,15 @@ import torch
 
 from tandem.config.orchestrator import MAX_REPLAY_KEPT
 from tandem.packing import balance, first_fit_decreasing
-from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, MicroBatch
+from tandem.transport.batches import (
+    IMAGE_MASK,
+    IMAGE_REFS,
+    IMAGE_SIZES,
+    KEPT_COUNTS,
+    KEPT_IDS_FLAT,
+    MicroBatch,
+    pack_refs,
+)
 
 IGNORE_INDEX = -100
 
@@ -38,6 +46,9 @@ class TrainSample:
     # Per completion token, whether it is a loss target: False on an environment's messages between the turns
     # of a multi-turn rollout (context the model did not generate); None: every completion token is.
     trained: list[bool] | None = None
+    # A vision-language prompt's image references, and their placeholder spans `[start, end)` in `prompt_ids`.
+    images: tuple[str, ...] = ()
+    image_spans: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -122,9 +133,13 @@ def pack_batch(
     bins += [[] for _ in range(-len(bins) % unit)]
     with_kept_ids = any(s.kept_ids for s in samples)
     rows = []
+    with_images = any(s.images for s in samples)
     for members in bins:
         row = _empty_row(seq_len, with_kept_ids)
         _fill(row, [samples[i] for i in members], seq_len)
+        if with_images:  # each row's images in its samples' order: the order of its placeholder spans
+            row[IMAGE_REFS], row[IMAGE_SIZES] = pack_refs([ref for i in members for ref in samples[i].images])
+            row[IMAGE_MASK] = _image_mask([samples[i] for i in members], seq_len)
         rows.append(row)
     per_rank = balance([sum(len(samples[i]) for i in members) for members in bins], world_size)
     ranks = []
@@ -137,6 +152,18 @@ def pack_batch(
     return ranks
 
 
+def _image_mask(samples: list[TrainSample], seq_len: int) -> torch.Tensor:
+    """`[seq_len]` bool: True at the packed samples' image placeholder spans."""
+    mask = torch.zeros(seq_len, dtype=torch.bool)
+    offset = 0
+    for sample in samples:
+        for start, end in sample.image_spans:
+            mask[offset + start : offset + end] = True
+        offset += len(sample)
+    return mask
+
+
 def _join(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Rows into a micro-batch: `[rows, seq_len]`, except the flat kept ids, concatenated in row order."""
-    return torch.cat(tensors) if name == KEPT_IDS_FLAT else torch.stack(tensors)
+    """Rows into a micro-batch: `[rows, seq_len]`, except the flat kept ids and images, concatenated in row
+    order."""
+    return torch.cat(tensors) if name in (KEPT_IDS_FLAT, IMAGE_REFS, IMAGE_SIZES) else torch.stack(tensors)

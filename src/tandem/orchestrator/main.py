@@ -26,10 +26,11 @@ from typing import Any
 
 from tandem.checkpoints import checkpoints_root, list_checkpoints
 from tandem.client import RequestError
-from tandem.config.orchestrator import OrchestratorConfig
+from tandem.config.orchestrator import OrchestratorConfig, RolloutSamplingConfig
 from tandem.envs import Message, MultiTurnTaskset, Task
 from tandem.envs.tool_env import ToolTaskset
 from tandem.files import atomic_write_text
+from tandem.images import image_refs
 from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflow
@@ -64,6 +65,10 @@ class Group:
     conversations: list[list[Message]] | None = None
     """Multi-turn groups: each episode's messages after the prompt (replies, the environment's answers, tool calls
     and results), as `rollouts.jsonl` shows them."""
+    images: tuple[str, ...] = ()
+    """A vision-language prompt's image references (data URLs), which the trainer reads the pixels from."""
+    image_spans: tuple[tuple[int, int], ...] = ()
+    """Each image's placeholder span in `prompt_ids`, as the server expanded it."""
 
     @property
     def source(self) -> TrainSource:
@@ -112,15 +117,18 @@ class Orchestrator:
 
     async def _run_group(self, draw: Draw) -> Group | None:
         if isinstance(draw.source.taskset, MultiTurnTaskset):
+            if image_refs(draw.task.messages()):
+                raise RunError(f"{draw.source.name}: images in multi-turn rollouts are not supported yet")
             return await self._run_episodes(draw)
         source, task = draw.source, draw.task
         sampling = source.config.sampling
         prompt_ids = self._prompt_ids(task)
+        images = image_refs(task.messages())
         timeout = source.taskset.timeout_s
         seed = self.config.seed + draw.index
         try:
-            completions = await asyncio.wait_for(
-                self.pool.generate(prompt_ids, sampling, self.config.group_size, seed=seed), timeout
+            prompt_ids, spans, completions = await asyncio.wait_for(
+                self._generate(prompt_ids, images, sampling, seed), timeout
             )
         except TimeoutError:
             self.stats.dropped["timeout"] += 1
@@ -136,7 +144,17 @@ class Orchestrator:
             texts.append(text)
             rewards.append(score.reward)
             metrics.append({**score.metrics, "truncated": float(completion.finish_reason == "length")})
-        return Group(draw, prompt_ids, completions, texts, rewards, metrics)
+        return Group(
+            draw, prompt_ids, completions, texts, rewards, metrics, images=tuple(images), image_spans=tuple(spans)
+        )
+
+    async def _generate(
+        self, prompt_ids: list[int], images: list[str], sampling: RolloutSamplingConfig, seed: int
+    ) -> tuple[list[int], list[tuple[int, int]], list[Completion]]:
+        """A group's completions, with the prompt as it ran and its images' spans when it has images."""
+        if not images:
+            return prompt_ids, [], await self.pool.generate(prompt_ids, sampling, self.config.group_size, seed=seed)
+        return await self.pool.generate_with_images(prompt_ids, images, sampling, self.config.group_size, seed)
 
     def suffixes(self, source: TrainSource) -> ChatSuffixes:
         """The chat template's suffixes for a multi-turn source's rollouts, with its tools rendered."""
@@ -303,6 +321,8 @@ class Orchestrator:
                         completion.versions,
                         completion.kept_ids,
                         completion.trained,
+                        group.images,
+                        tuple((start, end) for start, end in group.image_spans),
                     )
                 )
                 prompt_of.append(index)

@@ -81,9 +81,17 @@ class InferencePool:
         self, prompt_ids: list[int], sampling: RolloutSamplingConfig, n: int, seed: int
     ) -> list[Completion]:
         """n completions of one prompt from the least-loaded server."""
+        return (await self.generate_with_images(prompt_ids, [], sampling, n, seed))[2]
+
+    async def generate_with_images(
+        self, prompt_ids: list[int], images: list[str], sampling: RolloutSamplingConfig, n: int, seed: int
+    ) -> tuple[list[int], list[tuple[int, int]], list[Completion]]:
+        """n completions of one prompt with `images` (data URLs, one placeholder each in the prompt), the prompt
+        as the server ran it (each placeholder expanded to the image's tokens) and each image's span in it."""
         index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         request = GenerateRequest(
             prompt_token_ids=prompt_ids,
+            images=[images] if images else None,
             n=n,
             sampling=SamplingParams(
                 temperature=sampling.temperature,
@@ -101,7 +109,9 @@ class InferencePool:
             reply = await self.clients[index].request("POST", "/generate", body, msgpack=True)
         # msgpack decodes to plain lists and numbers; the model checks every field the trainer relies on
         response = GenerateResponse.model_validate(reply.data)
-        return [_completion(sample) for sample in response.outputs[0].samples]
+        output = response.outputs[0]
+        completions = [_completion(sample) for sample in output.samples]
+        return output.prompt_token_ids or prompt_ids, list(output.image_spans or ()), completions
 
     async def close(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.clients))

@@ -16,6 +16,8 @@ import torch
 
 from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
+from tandem.images import PixelEncoder
+from tandem.models.decoder import Images
 from tandem.models.logprobs import IGNORE_INDEX
 from tandem.run import exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
@@ -25,7 +27,17 @@ from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.monitor import Monitor
 from tandem.trainer.parallel import World, init_distributed, shutdown_distributed
 from tandem.trainer.publish import make_publisher
-from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, kept_matrix_from_csr, read_batch, wait_for_batch
+from tandem.transport.batches import (
+    IMAGE_MASK,
+    IMAGE_REFS,
+    IMAGE_SIZES,
+    KEPT_COUNTS,
+    KEPT_IDS_FLAT,
+    kept_matrix_from_csr,
+    read_batch,
+    unpack_refs,
+    wait_for_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +67,34 @@ LAG_NAMES = ("mismatch_kl", *(f"off_policy_kl/lag{lag}" for lag in range(1, LAGS
 
 
 def micro_batch_loss(
-    model, micro: dict[str, torch.Tensor], config: TrainerConfig, device: torch.device, current_version: int
+    model,
+    micro: dict[str, torch.Tensor],
+    config: TrainerConfig,
+    device: torch.device,
+    current_version: int,
+    pixels: PixelEncoder | None = None,
 ):
     """Forward one micro-batch: trainer logprobs under the rollouts' temperatures and kept ids, then the loss.
 
     The KL estimate between trainer and sampler is split by each token's policy lag (the weights the trainer
     holds, `current_version`, minus the version that sampled it): at lag 0 it is the pure trainer/inference
     mismatch (`mismatch_kl`), at lag k it adds k optimizer steps of policy drift (`off_policy_kl/lag<k>`); over
-    all tokens it is `off_policy_kl`.
+    all tokens it is `off_policy_kl`. A vision-language model's images are read from the micro-batch's image
+    references (`pixels`: the model's image processor) and processed here, as the server processed them.
     """
     kept_matrix = None
     if KEPT_COUNTS in micro and micro[KEPT_IDS_FLAT].numel():  # kept ids, stored as CSR (transport.batches)
         kept_matrix = kept_matrix_from_csr(micro[KEPT_COUNTS], micro[KEPT_IDS_FLAT], model.args.vocab_size, device)
-    micro = {
-        name: to_device(tensor, device) for name, tensor in micro.items() if name not in (KEPT_COUNTS, KEPT_IDS_FLAT)
-    }
+    images = None
+    if IMAGE_REFS in micro and micro[IMAGE_SIZES].numel():
+        if pixels is None:
+            raise ValueError("the batch has images, but the trainer's model takes none")
+        pixel_values, grid_thw = pixels.encode(unpack_refs(micro[IMAGE_REFS], micro[IMAGE_SIZES]))
+        images = Images(pixel_values.to(device), grid_thw.to(device), to_device(micro[IMAGE_MASK], device))
+    skip = (KEPT_COUNTS, KEPT_IDS_FLAT, IMAGE_REFS, IMAGE_SIZES, IMAGE_MASK)
+    micro = {name: to_device(tensor, device) for name, tensor in micro.items() if name not in skip}
     tokens = policy_tokens(micro, kept_matrix)
-    loss, metrics, logprobs = _policy_loss(model, micro, tokens, config)
+    loss, metrics, logprobs = _policy_loss(model, micro, tokens, config, images)
     with torch.no_grad():
         metrics["off_policy_kl"] = metrics.pop("mismatch_kl")
         lag = (current_version - micro["versions"].reshape(-1)).clamp(0, LAGS - 1)
@@ -84,20 +107,24 @@ def micro_batch_loss(
     return loss, metrics
 
 
-def _policy_loss(model, micro: dict[str, torch.Tensor], tokens: PolicyTokens, config: TrainerConfig):
+def _policy_loss(
+    model, micro: dict[str, torch.Tensor], tokens: PolicyTokens, config: TrainerConfig, images: Images | None = None
+):
     """(loss, metrics, detached trainer logprobs `[T]`): fused into the model's head (`speed.fused_loss`), or
     the chunked logprobs then `policy_loss`."""
     chunk_size = config.loss_chunk_size
+    extra = {} if images is None else {"images": images}
     if config.speed.fused_loss:
 
         def head(hidden: torch.Tensor, weight: torch.Tensor):
             return fused_policy_loss(hidden, weight, tokens, config.loss, chunk_size)
 
-        return model(micro["input_ids"], micro["position_ids"], head=head)
+        return model(micro["input_ids"], micro["position_ids"], head=head, **extra)
     kept_matrix = tokens.kept_matrix
     out = model(
         micro["input_ids"],
         micro["position_ids"],
+        **extra,
         targets=micro["target_ids"],
         temperature=micro["temperatures"],
         kept_matrix=kept_matrix.view(*micro["target_ids"].shape, -1) if kept_matrix is not None else None,
@@ -120,8 +147,10 @@ class RlRecipe(Recipe):
 
     ratios = {name: (f"{name}_sum", f"{name}_weight") for name in LAG_NAMES}  # noqa: RUF012 (read only)
 
-    def __init__(self, config: TrainerConfig, world: World, publish: Callable[[int], None]) -> None:
-        self.config, self.world, self.publish = config, world, publish
+    def __init__(
+        self, config: TrainerConfig, world: World, publish: Callable[[int], None], pixels: PixelEncoder | None = None
+    ) -> None:
+        self.config, self.world, self.publish, self.pixels = config, world, publish, pixels
         self.batches = config.run_dir / "batches"
 
     def wait(self, step: int) -> dict[str, float]:
@@ -135,7 +164,8 @@ class RlRecipe(Recipe):
 
     def loss(self, model: torch.nn.Module, micro: dict, batch: StepBatch) -> tuple[torch.Tensor, dict]:
         # Weights sum to 1 over the whole batch: each micro-batch's loss is its share already.
-        return micro_batch_loss(model, micro, self.config, self.world.device, current_version=batch.step - 1)
+        version = batch.step - 1
+        return micro_batch_loss(model, micro, self.config, self.world.device, version, self.pixels)
 
     def after_update(self, step: int) -> dict[str, float]:
         start = time.monotonic()
@@ -156,7 +186,9 @@ def train(config: TrainerConfig) -> int:
     publisher.resumed(start_step)
     monitor = Monitor(config, world, training.info, start_step)
     try:
-        run_steps(config, world, training, RlRecipe(config, world, publisher.publish), start_step, monitor)
+        pixels = PixelEncoder(config.model.name) if training.info.args.vision_config is not None else None
+        recipe = RlRecipe(config, world, publisher.publish, pixels)
+        run_steps(config, world, training, recipe, start_step, monitor)
     finally:
         monitor.close()
         publisher.close()

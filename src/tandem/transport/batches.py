@@ -9,6 +9,12 @@ The kept ids of truncated sampling are stored compressed, as CSR: `KEPT_COUNTS` 
 ids sampling kept at each position; 0: the whole vocabulary) and `KEPT_IDS_FLAT` `[sum of counts]` int32 (those
 ids, position after position in row-major order). `kept_matrix_from_csr` rebuilds the `-1`-padded
 `[rows, seq_len, K]` kept matrix the model's logprobs take, K being the largest count of that micro-batch only.
+
+A vision-language model's images travel as their references (`tandem.images`: the data URLs the rollouts were
+sampled with), never as pixels: `IMAGE_REFS` `[total bytes]` uint8, the UTF-8 references one after another in the
+order of their placeholder spans, and `IMAGE_SIZES` `[images]` int64, each one's length (`pack_refs`,
+`unpack_refs`), with `IMAGE_MASK` marking the placeholder tokens. The trainer reads the pixels from those bytes,
+as the server did.
 """
 
 from __future__ import annotations
@@ -31,6 +37,30 @@ KEPT_COUNTS = "kept_counts"
 KEPT_IDS_FLAT = "kept_ids"
 """Micro-batch field (and batch-file key): `[sum of counts]` int32, every position's kept ids, flat. The key stays
 `kept_ids`, the name batch files have always used, so a run resumes from the batch files of an earlier version."""
+
+
+IMAGE_REFS = "image_refs"
+"""Micro-batch field: `[total bytes]` uint8, the micro-batch's image references, UTF-8, one after another."""
+IMAGE_SIZES = "image_sizes"
+"""Micro-batch field: `[images]` int64, the byte length of each image reference in `IMAGE_REFS`."""
+IMAGE_MASK = "image_mask"
+"""Micro-batch field: `[rows, seq_len]` bool, True at the images' placeholder tokens (the spans the server
+expanded; a completion may sample the placeholder id as text)."""
+
+
+def pack_refs(refs: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`IMAGE_REFS`, `IMAGE_SIZES`) tensors of image references."""
+    encoded = [ref.encode() for ref in refs]
+    joined = b"".join(encoded)
+    data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    return data, torch.tensor([len(e) for e in encoded], dtype=torch.int64)
+
+
+def unpack_refs(data: torch.Tensor, sizes: torch.Tensor) -> list[str]:
+    """The image references `pack_refs` stored."""
+    raw = data.to(torch.uint8).cpu().numpy().tobytes()
+    ends = sizes.cumsum(0).tolist()
+    return [raw[start:end].decode() for start, end in zip([0, *ends][:-1], ends, strict=True)]
 
 
 class BatchTimeout(TimeoutError):

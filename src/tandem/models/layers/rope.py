@@ -196,6 +196,7 @@ def mrope_positions(
     spatial_merge_size: int,
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    placeholders: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """M-RoPE positions `[3, B, S]` of a batch with images (Qwen-VL's rule, transformers' `get_rope_index`).
 
@@ -203,9 +204,12 @@ def mrope_positions(
     merge^2 times, images in batch order, one row of `grid_thw` each) starts at the current position p: its
     merged patch (i, j) of frame f sits at (p + f, p + i, p + j), and the text after it resumes at p + max(h, w)
     / merge. `position_ids` restarting at 0 starts a packed document (positions count from 0 again);
-    `attention_mask` 0 marks padding, which neither takes nor advances a position. Computed on the host: a
-    Python walk over the rows, as the data pipeline does once per batch."""
+    `attention_mask` 0 marks padding, which neither takes nor advances a position. `placeholders` `[B, S]`, when
+    given, says which tokens are image placeholders (a completion may sample the placeholder id as text); else
+    every `image_token_id` is. Computed on the host: a Python walk over the rows, as the data pipeline does once
+    per batch."""
     ids = input_ids.tolist()
+    marked = (input_ids == image_token_id if placeholders is None else placeholders).tolist()
     starts = (position_ids == 0).tolist() if position_ids is not None else None
     real = attention_mask.bool().tolist() if attention_mask is not None else None
     grids = iter(grid_thw.tolist())
@@ -218,14 +222,14 @@ def mrope_positions(
                 continue
             if starts is not None and starts[b][i]:
                 current = 0
-            if row[i] != image_token_id:
+            if not marked[b][i]:
                 out[:, b, i] = current
                 current, i = current + 1, i + 1
                 continue
             t, h, w = next(grids, (0, 0, 0))
             h, w = h // spatial_merge_size, w // spatial_merge_size
             span = t * h * w
-            if span == 0 or row[i : i + span] != [image_token_id] * span:
+            if span == 0 or row[i : i + span] != [image_token_id] * span or not all(marked[b][i : i + span]):
                 raise ValueError(
                     f"row {b}: the image placeholder at token {i} does not match the next image's grid {t}x{h}x{w}"
                     " (one placeholder token per merged patch)"
