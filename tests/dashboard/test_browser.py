@@ -74,6 +74,13 @@ def eval_run(outputs: Path) -> Counter:
     return Counter(record["outcome"] for record in read_traces(outputs / "tiny-eval" / "traces.jsonl"))
 
 
+def image_eval_run(outputs: Path) -> None:
+    """A count_shapes eval (each prompt an image and a question) against the fake server."""
+    with FakeServer(answer=lambda messages: "3") as server:
+        common = ["--base-url", f"{server.url}/v1", "--output-dir", str(outputs), "--run-name", "shapes-eval"]
+        assert main(["eval", "count_shapes", "--env.args", "{num_tasks = 2}", *common]) == 0
+
+
 def polylines(page: str, chart: str) -> dict[str, tuple[int, int]]:
     """{series label: (points, last step)} of one chart in a dumped DOM."""
     svg = re.search(rf'<svg data-chart="{chart}"[^>]*>.*?</svg>', page, re.S)
@@ -87,6 +94,7 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
     outputs = tmp_path / "outputs"
     sft_run(outputs, tiny_model_dir("qwen3"), reverse_text_rows(tmp_path / "reverse_text.jsonl"))
     outcomes = eval_run(outputs)
+    image_eval_run(outputs)
     shutil.copytree(synthetic_rl, outputs / "rl-run")  # RL charts: no real RL run is cheap enough here
     assert outcomes["timeout"] >= 1 and outcomes["timeout"] < sum(outcomes.values())
 
@@ -99,6 +107,7 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         assert {run["name"]: (run["kind"], run["status"]) for run in runs} == {
             "tiny-sft": ("sft", "finished"),
             "tiny-eval": ("eval", "finished"),
+            "shapes-eval": ("eval", "finished"),
             "rl-run": ("rl", "finished"),
         }
 
@@ -145,6 +154,9 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         assert f'data-total="{sum(outcomes.values())}"' in eval_page
         first = next(r for r in read_traces(outputs / "tiny-eval" / "traces.jsonl") if r["outcome"] == "ok")
         assert f"assistant: {first['completion'][0]['content'].splitlines()[0]}" in eval_page
+        shapes = chromium(tmp_path, "--dump-dom", f"{base}/eval/shapes-eval")  # the prompt's image, inline
+        assert len(re.findall(r'<img src="data:image/png;base64,[^"]+" class="sample-image">', shapes)) == 2
+        assert "user: [image]How many" in shapes and "data:image/png;base64" not in re.sub(r"<img[^>]*>", "", shapes)
 
         pages = [
             ("dashboard-index.png", "/"),

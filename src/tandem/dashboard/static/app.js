@@ -173,10 +173,27 @@ async function indexPage() {
 
 const OUTCOMES = ["ok", "truncated", "timeout", "error"];
 
+// A message content's text: a string, or its parts (text as is, an image as "[image]", shown under the cell).
+function contentText(content) {
+  if (typeof content === "string") return content;
+  if (Array.isArray(content) && content.every((part) => part?.type)) {
+    return content.map((part) => (part.type === "text" ? part.text : "[image]")).join("");
+  }
+  return JSON.stringify(content);
+}
+
+// The inline images (data URLs only: the page loads nothing from elsewhere) of chat messages, in order.
+function chatImages(value) {
+  if (!Array.isArray(value)) return [];
+  return value.flatMap((m) => (Array.isArray(m?.content) ? m.content : []))
+    .map((part) => (part?.type === "image_url" ? part.image_url?.url : part?.type === "image" ? part.image : null))
+    .filter((url) => typeof url === "string" && url.startsWith("data:image/"));
+}
+
 // A prompt or completion: a string, or chat messages shown as "role: content" lines, an assistant's tool calls
 // under it ("  call name(arguments)") and a tool's result as "tool name: result".
 function chatText(value) {
-  const text = (content) => (typeof content === "string" ? content : JSON.stringify(content));
+  const text = (content) => (typeof content === "string" ? content : contentText(content));
   const line = (m) => {
     const who = m?.role === "tool" && m?.name ? `tool ${m.name}` : m?.role;
     const calls = (m?.tool_calls ?? []).map((c) => `\n  call ${c?.function?.name}(${text(c?.function?.arguments)})`);
@@ -199,7 +216,7 @@ const RL_FILTERS = ["step", "source", "outcome", "min_reward", "max_reward"];
 
 // Columns: [header, value of a sample, "pre" for long text].
 const TEXT_COLUMNS = [
-  ["prompt", (s) => chatText(s.prompt ?? s.messages), "pre"],
+  ["prompt", (s) => chatText(s.prompt ?? s.messages), "pre", (s) => chatImages(s.prompt ?? s.messages)],
   ["completion", (s) => chatText(s.completion), "pre"],
   ["metrics", (s) => JSON.stringify(s.metrics ?? {}), "pre"],
 ];
@@ -250,10 +267,11 @@ function sampleBrowser(container, { api, filters, columns }) {
     count.textContent = `${data.total} matching, showing ${data.total ? offset + 1 : 0}-${offset + data.samples.length}` +
       (data.error ? ` (${data.error})` : "");
     table.tBodies[0].replaceChildren(...data.samples.map((s) => {
-      const cells = columns.map(([, value, kind]) => {
+      const cells = columns.map(([, value, kind, images]) => {
         if (kind !== "pre") return value(s);
         const td = el("td");
         td.appendChild(el("pre", {}, value(s) ?? ""));
+        for (const url of images ? images(s) : []) td.appendChild(el("img", { src: url, class: "sample-image" }));
         return td;
       });
       return row(cells, { "data-outcome": s.outcome });
