@@ -27,7 +27,7 @@ VISION = {
     "depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4, "in_channels": 3, "patch_size": 4,
     "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 64,
 }  # fmt: skip
-FAMILIES = ("qwen3-vl", "qwen2.5-vl")
+FAMILIES = ("qwen3-vl", "qwen3-vl-moe", "qwen2.5-vl")
 VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
@@ -41,13 +41,18 @@ VL_CHAT_TEMPLATE = (
 def vl_config(family: str, vocab_size: int, image: int, video: int, start: int, end: int) -> dict[str, Any]:
     tokens = {"image_token_id": image, "video_token_id": video, "vision_start_token_id": start,
               "vision_end_token_id": end}  # fmt: skip
-    if family == "qwen3-vl":
+    if family in ("qwen3-vl", "qwen3-vl-moe"):
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        moe = family == "qwen3-vl-moe"
+        text = {**TEXT, "vocab_size": vocab_size, "model_type": "qwen3_vl_moe_text" if moe else "qwen3_vl_text",
+                "rope_parameters": rope}  # fmt: skip
+        if moe:  # 4 experts of 24, top 2, every layer
+            text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
         return {
-            "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", **tokens,
-            "tie_word_embeddings": False,
-            "text_config": {**TEXT, "vocab_size": vocab_size, "model_type": "qwen3_vl_text", "rope_parameters": rope},
-            "vision_config": {**VISION, "model_type": "qwen3_vl", "num_position_embeddings": 16,
+            "architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
+            "model_type": "qwen3_vl_moe" if moe else "qwen3_vl", **tokens, "tie_word_embeddings": False,
+            "text_config": text,
+            "vision_config": {**VISION, "model_type": "qwen3_vl_moe" if moe else "qwen3_vl", "num_position_embeddings": 16,
                               "deepstack_visual_indexes": [0, 2], "hidden_act": "gelu_pytorch_tanh"},
         }  # fmt: skip
     return {  # the hub's flat layout (text keys at the top, rope_scaling "mrope"), as Qwen2.5-VL is published

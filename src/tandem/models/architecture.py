@@ -22,6 +22,9 @@ class HFLayout:
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked_gate_up: str = "mlp.experts.gate_up_proj"  # transformers' in-memory stacked layout, if ever on disk
     stacked_down: str = "mlp.experts.down_proj"
+    save_stacked_experts: bool = False
+    """Write experts stacked (`stacked_gate_up`, `stacked_down`) rather than one tensor per expert and projection:
+    for families whose checkpoints store them so (Qwen3-VL-MoE), which transformers then reads unchanged."""
     shared_experts: str = "mlp.shared_experts."  # prefix of the shared SwiGLU's gate/up/down_proj
     shared_expert_gate: str = "mlp.shared_expert_gate.weight"
     prefix: str = "model."  # before `layers.{i}.`, the embedding and the final norm (Nemotron-H: `backbone.`)

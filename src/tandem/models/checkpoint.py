@@ -274,7 +274,8 @@ def _layout(args: ModelArgs) -> HFLayout:
 def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their HF names and shapes (views of the runtime tensors, no copies)."""
     state = model.state_dict()
-    for name, fused in weight_map(model.args, _layout(model.args)).items():
+    layout = _layout(model.args)
+    for name, fused in weight_map(model.args, layout, stacked_experts=layout.save_stacked_experts).items():
         groups = state[name].unbind(0) if fused.stacked else (state[name],)
         for group, keys in zip(groups, fused.parts, strict=True):
             yield from zip(keys, group.split(fused.sizes) if fused.sizes else (group,), strict=True)

@@ -141,6 +141,7 @@ BLOCKS: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"decoder": DecoderBl
 
 VISION_TOWERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "Qwen3VLForConditionalGeneration": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
+    "Qwen3VLMoeForConditionalGeneration": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
     "Qwen2_5_VLForConditionalGeneration": lambda config: Qwen2_5VisionEncoder(Qwen2_5VisionArgs.from_hf(config)),
 }
 """Vision-language architecture -> its vision tower, built from the HF `vision_config`."""

@@ -36,6 +36,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         *qwen3_5.MULTIMODAL_ARCHITECTURES,
         nemotron_h.ARCHITECTURE,
         qwen3_vl.ARCHITECTURE,
+        qwen3_vl.MOE_ARCHITECTURE,
         qwen2_5_vl.ARCHITECTURE,
     )
 }
