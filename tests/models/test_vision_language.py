@@ -107,3 +107,21 @@ def test_images_that_do_not_fit_are_refused_by_name(checkpoint, tiny_model_dir):
         model(ids, images=short)
     with pytest.raises(ValueError, match="takes no images"):
         load_model(tiny_model_dir("qwen3"))(ids % 300, images=images)
+
+
+def test_a_packed_row_of_image_documents_equals_each_document_alone(checkpoint):
+    """Two documents with images packed in one row (positions restart): each document's logits as when it runs
+    alone, so SFT and RL may pack image rows."""
+    ids, images = _batch()
+    model = load_model(checkpoint, dtype=torch.float32).eval()
+    first, second = ids[0], ids[1]
+    row = torch.cat([first, second])[None]
+    positions = torch.cat([torch.arange(len(first)), torch.arange(len(second))])[None]
+    split = int(images.grid_thw[:2].prod(-1).sum())  # the first row's two images, then the second row's one
+    with torch.no_grad():
+        packed = model(row, positions, images=images)[0]
+        alone = [
+            model(first[None], images=Images(images.pixel_values[:split], images.grid_thw[:2]))[0],
+            model(second[None], images=Images(images.pixel_values[split : split + 4], images.grid_thw[2:]))[0],
+        ]
+    assert (packed - torch.cat(alone)).abs().max() < TOL
