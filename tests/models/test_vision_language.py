@@ -1,9 +1,10 @@
-"""Qwen3-VL and Qwen2.5-VL against transformers (fp32): logits with images (several images, of different grids,
-one row without any), text alone, M-RoPE positions with padding, the multimodal checkpoint written back and read
-by transformers, and placeholders that do not count an image's patches refused by name.
+"""Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL against transformers (fp32): logits with images (several images of
+different grids, a row without any, padded rows), text alone, M-RoPE positions with padding, a packed row of image
+documents against each alone, the multimodal checkpoint written back and read by transformers, and placeholders
+that do not count an image's patches refused by name.
 
-The references are tiny random `...ForConditionalGeneration` models built from the configs below; images are
-random patch rows with their (t, h, w) grids, as transformers' image processor would give them.
+The references are tiny random `...ForConditionalGeneration` models (`support.vision_models`); images are random
+patch rows with their (t, h, w) grids, as transformers' image processor would give them.
 """
 
 from __future__ import annotations
@@ -125,3 +126,18 @@ def test_a_packed_row_of_image_documents_equals_each_document_alone(checkpoint):
             model(second[None], images=Images(images.pixel_values[split : split + 4], images.grid_thw[2:]))[0],
         ]
     assert (packed - torch.cat(alone)).abs().max() < TOL
+
+
+def test_padded_rows_with_images_match_transformers(checkpoint):
+    """Left padding (the attention mask's zeros take no position and attend nowhere) on rows with images: the
+    real tokens' logits as transformers computes them."""
+    ids, images = _batch()
+    pad = 3
+    padded = torch.cat([torch.zeros(3, pad, dtype=torch.long), ids], dim=1)
+    mask = torch.ones_like(padded)
+    mask[:, :pad] = 0
+    model = load_model(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(padded, attention_mask=mask, images=images)[:, pad:]
+    want = _hf_logits(_hf(checkpoint), padded, images, mask)[:, pad:]
+    assert (ours - want).abs().max() < TOL
