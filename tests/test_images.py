@@ -67,3 +67,18 @@ def test_a_huge_image_is_refused_from_its_header():
     huge = Image.new("1", (side, side))  # 1 bit a pixel: a small file of many pixels
     with pytest.raises(ImageError, match="pixels, over"):
         read_image(_data_url(huge))
+
+
+def test_files_are_inlined_as_data_urls_for_a_server(tmp_path):
+    """What an environment or dataset names as a file goes to a server as a data URL of the same bytes."""
+    from tandem.images import data_url, inline_images
+
+    Image.new("RGB", (6, 4), (1, 2, 3)).save(tmp_path / "a.png")
+    url = data_url(str(tmp_path / "a.png"))
+    assert url.startswith("data:image/png;base64,") and read_image(url).getpixel((0, 0)) == (1, 2, 3)
+    assert base64.b64decode(url.partition(",")[2]) == (tmp_path / "a.png").read_bytes()
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "a.png")},
+                                             {"type": "text", "text": "hi"}]}, {"role": "user", "content": "plain"}]  # fmt: skip
+    inlined = inline_images(messages)
+    assert image_refs(inlined) == [url] and inlined[0]["content"][1] == {"type": "text", "text": "hi"}
+    assert inlined[1] is messages[1] and image_refs(messages) == [str(tmp_path / "a.png")]  # the input unchanged

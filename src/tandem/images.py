@@ -50,6 +50,37 @@ def _message_refs(message: Any) -> Iterator[str]:
         yield ref
 
 
+def inline_images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with every image part a data URL: a local file an environment or dataset names is read here (a
+    server takes data URLs only, and reads no files); data URLs and text pass unchanged."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list) or not image_refs([message]):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            ref = _message_refs({"content": [part]})
+            url = next(ref, None)
+            if url is None or url.startswith("data:"):
+                parts.append(part)
+            else:
+                parts.append({"type": "image_url", "image_url": {"url": data_url(url)}})
+        out.append({**message, "content": parts})
+    return out
+
+
+def data_url(ref: str, root: Path | None = None) -> str:
+    """Image `ref` (a file, or already a data URL) as a base64 data URL of its own format, checked as `read_image`
+    checks it."""
+    if ref.startswith("data:"):
+        return ref
+    data = read_image_bytes(ref, root)
+    image_format = _open(data).format or "png"
+    return f"data:image/{image_format.lower()};base64," + base64.b64encode(data).decode()
+
+
 def read_image_bytes(ref: str, root: Path | None = None) -> bytes:
     """The encoded bytes of `ref`: a data URL's payload, or a file (inside `root` when given)."""
     if ref.startswith("data:"):
@@ -78,11 +109,19 @@ def read_image_bytes(ref: str, root: Path | None = None) -> bytes:
 
 def read_image(ref: str, root: Path | None = None) -> Any:
     """`ref` decoded as an RGB `PIL.Image`, after checking its size and format."""
+    image = _open(read_image_bytes(ref, root))
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError):
+        raise ImageError("the image bytes are truncated or corrupt") from None
+
+
+def _open(data: bytes) -> Any:
+    """The image in `data`, its header read and checked (format, pixel count); its pixels not decoded yet."""
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
         raise ImageError("images need Pillow: pip install 'tandem[vision]'") from None
-    data = read_image_bytes(ref, root)
     try:
         image = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError):
@@ -92,10 +131,7 @@ def read_image(ref: str, root: Path | None = None) -> Any:
     width, height = image.size
     if width * height > MAX_IMAGE_PIXELS:
         raise ImageError(f"the image is {width} x {height} pixels, over {MAX_IMAGE_PIXELS:,}")
-    try:
-        return image.convert("RGB")
-    except (OSError, ValueError):
-        raise ImageError("the image bytes are truncated or corrupt") from None
+    return image
 
 
 class PixelEncoder:

@@ -23,6 +23,7 @@ from tandem.envs import Message, Task, Taskset, apply_select, load_env, run_epis
 from tandem.envs.tool_env import ToolTaskset
 from tandem.eval.concurrency import AdaptiveLimiter
 from tandem.eval.traces import trace_key
+from tandem.images import inline_images
 from tandem.jsonl import JsonlWriter
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ async def run_rollout(client: OpenAIClient, model: str, rollout: EvalRollout) ->
     async def generate(messages: list[Message]) -> Message:
         nonlocal conversation
         conversation = messages
-        reply = await client.chat(messages, model=model, **sampling, **tools)
+        reply = await client.chat(inline_images(messages), model=model, **sampling, **tools)
         replies.append(reply)
         message = {key: value for key, value in reply.choices[0].message.items() if value is not None}
         conversation = [*messages, message]

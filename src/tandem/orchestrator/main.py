@@ -30,7 +30,7 @@ from tandem.config.orchestrator import OrchestratorConfig, RolloutSamplingConfig
 from tandem.envs import Message, MultiTurnTaskset, Task
 from tandem.envs.tool_env import ToolTaskset
 from tandem.files import atomic_write_text
-from tandem.images import image_refs
+from tandem.images import image_refs, inline_images
 from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflow
@@ -123,7 +123,7 @@ class Orchestrator:
         source, task = draw.source, draw.task
         sampling = source.config.sampling
         prompt_ids = self._prompt_ids(task)
-        images = image_refs(task.messages())
+        images = image_refs(inline_images(task.messages()))  # files an environment names, read here
         timeout = source.taskset.timeout_s
         seed = self.config.seed + draw.index
         try:
