@@ -4,8 +4,9 @@ them (the trainer, the inference server).
 A message's `content` may be a list of parts: `{"type": "text", "text": ...}` and `{"type": "image_url",
 "image_url": {"url": REF}}` (OpenAI's) or `{"type": "image", "image": REF}`. REF is a data URL
 (`data:image/png;base64,...`) or a local file path; rollouts, datasets and batches carry REF itself, never pixel
-tensors, so every process reads the same bytes. Remote URLs are refused: a trainer must not fetch what a rollout
-saw from a server that may have changed it since.
+tensors, so every process reads the same bytes. A server takes data URLs only (it reads no files a request names):
+`inline_images` turns the files an environment or dataset names into data URLs before a prompt is sent. Remote
+URLs are refused: a trainer must not fetch what a rollout saw from a server that may have changed it since.
 
 `read_image` checks before it decodes: the size of the encoded bytes, the format, the pixel count from the
 header; a bad image is an `ImageError` naming what is wrong. Pillow is needed only here (`pip install
