@@ -144,7 +144,10 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise BadRow("every message needs a string `role`")
         content = message.get("content")
         if not isinstance(content, str | list) or (isinstance(content, list) and not all(map(_is_part, content))):
-            raise BadRow("a message has no string `content` (nor a list of text and image parts)", f"role {message.get('role')!r}")
+            raise BadRow(
+                "a message has no string `content` (nor a list of text and image parts)",
+                f"role {message.get('role')!r}",
+            )
     if not any(message["role"] == "assistant" and _text(message["content"]) for message in messages):
         raise BadRow("no non-empty assistant message to learn from")
     return messages
