@@ -138,6 +138,7 @@ def test_generate_keeps_the_built_in_contract(server):
         ({"prompt_token_ids": [5], "sampling": {"temprature": 1.0}}, 400, "unknown field `sampling.temprature`"),
         ({"prompt_token_ids": [5], "model": "gpt-4"}, 404, "is not served here"),
         ({"prompt_token_ids": [100000]}, 400, "must lie in"),
+        ({"prompt_token_ids": [5], "images": [["data:image/png;base64,AA=="]]}, 400, "built-in engine only"),
     ],
 )
 def test_bad_generate_requests_are_4xx_with_the_reason(server, body, status, message):

@@ -209,6 +209,8 @@ class TandemRoutes:
         lora_request = self._lora_request(request) if base and name != base else None
         if self.error is not None:
             raise HTTPError(503, f"not generating with partly loaded weights: {self.error}", "server_error")
+        if body.images and any(body.images):
+            raise HTTPError(400, "images: /generate takes images on the built-in engine only", param="images")
         params = body.sampling
         limits = self._limits(engine)
         with refusals():  # every prompt, before anything is sent to vLLM for any
