@@ -82,3 +82,18 @@ def test_files_are_inlined_as_data_urls_for_a_server(tmp_path):
     inlined = inline_images(messages)
     assert image_refs(inlined) == [url] and inlined[0]["content"][1] == {"type": "text", "text": "hi"}
     assert inlined[1] is messages[1] and image_refs(messages) == [str(tmp_path / "a.png")]  # the input unchanged
+
+
+def test_a_header_beyond_pillows_own_cap_is_an_image_error():
+    """A few bytes of PNG whose header claims 20000 x 20000 pixels: Pillow's decompression-bomb error becomes an
+    ImageError (a 400 on a server, a skipped row in SFT), never an unhandled exception."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    with pytest.raises(ImageError, match="far more than"):
+        read_image("data:image/png;base64," + base64.b64encode(png).decode())

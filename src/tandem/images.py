@@ -125,6 +125,8 @@ def _open(data: bytes) -> Any:
         raise ImageError("images need Pillow: pip install 'tandem[vision]'") from None
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:  # Pillow's own cap, far above MAX_IMAGE_PIXELS
+        raise ImageError(f"the image has far more than {MAX_IMAGE_PIXELS:,} pixels") from None
     except (UnidentifiedImageError, OSError):
         raise ImageError("the image bytes are not an image Pillow can read") from None
     if image.format not in FORMATS:

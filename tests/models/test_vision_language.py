@@ -141,3 +141,14 @@ def test_padded_rows_with_images_match_transformers(checkpoint):
         ours = model(padded, attention_mask=mask, images=images)[:, pad:]
     want = _hf_logits(_hf(checkpoint), padded, images, mask)[:, pad:]
     assert (ours - want).abs().max() < TOL
+
+
+def test_lora_adapts_the_language_model_only(checkpoint):
+    """LoRA targets name the language model's projections; Qwen2.5-VL's vision MLP shares their names
+    (gate_proj, up_proj, down_proj) and stays unadapted."""
+    from tandem.models.lora import LoraArgs, apply_lora, lora_modules
+
+    model = load_model(checkpoint, dtype=torch.float32)
+    adapted = apply_lora(model, LoraArgs(rank=4))
+    assert adapted and not any(name.startswith("visual.") for name in adapted)
+    assert not any(name.startswith("visual.") for name, _ in lora_modules(model))

@@ -91,3 +91,15 @@ def _answer_logprob(model, tokenizer, vision, colour, shape, size, answer) -> fl
     with torch.no_grad():
         logprobs = model(ids, images=Images(pixel_values, grid_thw))[0, :-1].log_softmax(-1)
     return logprobs.gather(-1, ids[0, 1:, None])[:, 0][trained].sum().item()
+
+
+@pytest.mark.slow  # ~15 s: two gloo ranks
+def test_two_ranks_train_on_rows_with_and_without_images(vl_model, tmp_path):
+    """Data-parallel ranks whose micro-batches differ in holding images still reduce the same gradients (the
+    vision tower runs on a blank block for an image-free batch): a mixed dataset trains on two ranks."""
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]}
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in [_row("red")] * 8 + [text] * 8))
+    flags = [*sft_flags(vl_model, data, tmp_path, "mixed"), "--seq-len", "64", "--batch-size", "2"]
+    tandem_sft(*flags, "--max-steps", "16", "--deploy.nproc", "2", "--data.no-pack")
+    assert [m["step"] for m in read_metrics(tmp_path / "mixed")] == list(range(1, 17))

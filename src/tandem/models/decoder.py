@@ -236,6 +236,24 @@ class CausalLM(nn.Module):
                 x = x.masked_scatter(visual.mask[..., None], x[visual.mask] + visual.deepstack[i].to(x.dtype))
         return self.norm(x)
 
+    def _vision_trains(self) -> bool:
+        return (
+            self.visual is not None
+            and torch.is_grad_enabled()
+            and any(p.requires_grad for p in self.visual.parameters())
+        )
+
+    def _idle_vision(self, dtype: torch.dtype) -> torch.Tensor:
+        """0 x the vision tower's output on one blank block of patches: a batch without images still gives every
+        tower parameter a (zero) gradient, so data-parallel ranks reduce the same gradients whether or not their
+        micro-batches held images (FSDP's reduce-scatter would otherwise disagree in size and abort)."""
+        assert self.visual is not None
+        merge = self.visual.args.spatial_merge_size
+        device = self.embed_tokens.weight.device
+        pixels = torch.zeros(merge * merge, self.visual.args.patch_dim, device=device)
+        embeds, deepstack = self.visual(pixels, torch.tensor([[1, merge, merge]], device=device))
+        return 0.0 * sum((t.sum() for t in (embeds, *deepstack)), torch.zeros((), device=device)).to(dtype)
+
     def visual_features(self, input_ids: torch.Tensor, images: Images) -> VisualFeatures:
         """The vision tower's features for `images` and where they go in `input_ids`; ValueError when the model
         has no vision tower or the placeholders do not count the images' merged patches."""
@@ -298,6 +316,8 @@ class CausalLM(nn.Module):
         else:
             rope_positions = position_ids
         hidden = self.hidden_states(input_ids, rope_positions, attn, visual)
+        if visual is None and self._vision_trains():
+            hidden = hidden + self._idle_vision(hidden.dtype)
         if head is not None:
             return head(hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight)
         if targets is not None and nll_sum:

@@ -313,6 +313,10 @@ def apply_lora(model: nn.Module, args: LoraArgs, *, seed: int | None = None) -> 
         param.requires_grad_(False)
     found: list[tuple[str, nn.Module, str, LoraModule]] = []
     for name, module in list(model.named_modules()):
+        # A vision tower's projections are not adapted: the targets name the language model's (and per-row
+        # gates, serving base and adapter side by side, count text tokens, not image patches).
+        if name.split(".", 1)[0] == "visual":
+            continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         if type(module) is Experts and args.experts:
