@@ -152,3 +152,28 @@ def test_lora_adapts_the_language_model_only(checkpoint):
     adapted = apply_lora(model, LoraArgs(rank=4))
     assert adapted and not any(name.startswith("visual.") for name in adapted)
     assert not any(name.startswith("visual.") for name, _ in lora_modules(model))
+
+
+def test_lora_adapters_load_in_peft_on_transformers_class_and_back(checkpoint, tmp_path):
+    """A tandem adapter on a vision-language model is PEFT's for transformers' class (keys under
+    `model.language_model.`): PEFT attaches it and computes tandem's logits with images; PEFT's own loads back."""
+    peft = pytest.importorskip("peft")
+    from tandem.models.lora import LoraArgs, apply_lora, load_peft_adapter, lora_parameters, save_adapter
+
+    ids, images = _batch()
+    model = load_model(checkpoint, dtype=torch.float32).eval()
+    apply_lora(model, LoraArgs(rank=4, alpha=8, target_modules=("q_proj", "v_proj")), seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in lora_parameters(model):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        ours = model(ids, images=images)
+    save_adapter(model, tmp_path / "adapter")
+    reference = peft.PeftModel.from_pretrained(_hf(checkpoint), tmp_path / "adapter").eval()
+    want = _hf_logits(reference, ids, images)
+    assert (ours - want).abs().max() < TOL and (want - _hf_logits(_hf(checkpoint), ids, images)).abs().max() > 1e-3
+    reference.save_pretrained(tmp_path / "from-peft")
+    again = load_model(checkpoint, dtype=torch.float32).eval()
+    load_peft_adapter(again, tmp_path / "from-peft")
+    with torch.no_grad():
+        assert (again(ids, images=images) - ours).abs().max() < TOL

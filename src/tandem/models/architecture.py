@@ -22,6 +22,9 @@ class HFLayout:
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked_gate_up: str = "mlp.experts.gate_up_proj"  # transformers' in-memory stacked layout, if ever on disk
     stacked_down: str = "mlp.experts.down_proj"
+    peft_prefix: str = "model."
+    """The decoder's module path in transformers' in-memory model, which PEFT adapter keys follow
+    (`base_model.model.<peft_prefix>layers...`; vision-language classes: `model.language_model.`)."""
     save_stacked_experts: bool = False
     """Write experts stacked (`stacked_gate_up`, `stacked_down`) rather than one tensor per expert and projection:
     for families whose checkpoints store them so (Qwen3-VL-MoE), which transformers then reads unchanged."""

@@ -39,7 +39,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import _remove_interrupted_saves, _replace_dir
+from .config import ModelArgs
 from .layers.moe import Experts, LowRank
+from .registry import ARCHITECTURES
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Hugging Face projection names adapters may target."""
@@ -372,33 +374,44 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {clean_name(name): p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
-def peft_key(runtime_name: str) -> str:
+def peft_prefix(model: nn.Module | ModelArgs) -> str:
+    """Where transformers keeps the decoder of `model` (or of a model of these args), which PEFT keys follow
+    (`model.`, or for vision-language classes `model.language_model.`)."""
+    args = model if isinstance(model, ModelArgs) else getattr(model, "args", None)
+    return ARCHITECTURES[args.architecture].layout.peft_prefix if args is not None else "model."
+
+
+def peft_key(runtime_name: str, prefix: str = "model.") -> str:
     """The PEFT key of an adapter tensor: `layers.0.self_attn.qkv_proj.lora_A.q_proj.weight` ->
-    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. Expert adapters follow PEFT's nesting of two
-    targeted parameters on one module (the first projection, registered first, is wrapped innermost):
-    `layers.0.mlp.experts.lora_A.gate_up_proj` -> `base_model.model.model.layers.0.mlp.experts.base_layer.lora_A
-    .weight`, `...lora_A.down_proj` -> `...mlp.experts.lora_A.weight`."""
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`prefix`: `peft_prefix`). Expert adapters
+    follow PEFT's nesting of two targeted parameters on one module (the first projection, registered first, is
+    wrapped innermost): `layers.0.mlp.experts.lora_A.gate_up_proj` -> `base_model.model.model.layers.0.mlp.experts
+    .base_layer.lora_A.weight`, `...lora_A.down_proj` -> `...mlp.experts.lora_A.weight`."""
     name = clean_name(runtime_name)
     if match := _EXPERT_ADAPTER.match(name):
         inner = "" if match["param"] == "down_proj" else "base_layer."
-        return f"{PEFT_PREFIX}model.{match['module']}.{inner}lora_{match['ab']}.weight"
+        return f"{PEFT_PREFIX}{prefix}{match['module']}.{inner}lora_{match['ab']}.weight"
     match = _ADAPTER.match(name)
     if match is None:
         raise LoraError(f"{runtime_name} is not an adapter weight name")
-    return f"{PEFT_PREFIX}model.{match['module']}.{match['proj']}.lora_{match['ab']}.weight"
+    return f"{PEFT_PREFIX}{prefix}{match['module']}.{match['proj']}.lora_{match['ab']}.weight"
 
 
-def to_peft_state_dict(adapters: Mapping[str, torch.Tensor] | nn.Module) -> dict[str, torch.Tensor]:
-    """PEFT key -> tensor, from runtime adapter tensors (or an unsharded model's)."""
+def to_peft_state_dict(
+    adapters: Mapping[str, torch.Tensor] | nn.Module, prefix: str = "model."
+) -> dict[str, torch.Tensor]:
+    """PEFT key -> tensor, from runtime adapter tensors (or an unsharded model's, under its own prefix)."""
     if isinstance(adapters, nn.Module):
+        prefix = peft_prefix(adapters)
         adapters = adapter_state_dict(adapters)
-    return {peft_key(name): tensor for name, tensor in adapters.items()}
+    return {peft_key(name, prefix): tensor for name, tensor in adapters.items()}
 
 
 def from_peft_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Runtime name -> tensor for `model`'s adapters from a PEFT state dict (keys with or without PEFT's
     `base_model.model.` prefix and adapter name); LoraError naming the missing and unexpected keys."""
-    wanted = {peft_key(name): name for name in adapter_state_dict(model)}
+    prefix = peft_prefix(model)
+    wanted = {peft_key(name, prefix): name for name in adapter_state_dict(model)}
     out, unexpected = {}, []
     for key, tensor in tensors.items():
         plain = re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key) if key not in wanted else key
@@ -476,11 +489,14 @@ def write_adapter(
     *,
     base_model_name: str = "",
     dtype: torch.dtype | None = None,
+    prefix: str = "model.",
 ) -> Path:
     """Write a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) from runtime adapter
-    tensors (`adapter_state_dict`, or gathered from FSDP shards), atomically as `save_model` writes."""
+    tensors (`adapter_state_dict`, or gathered from FSDP shards), atomically as `save_model` writes; `prefix`: the
+    model's `peft_prefix`."""
     path = Path(path)
-    tensors = {key: t.detach().to("cpu", dtype).contiguous().clone() for key, t in to_peft_state_dict(adapters).items()}
+    peft = to_peft_state_dict(adapters, prefix)
+    tensors = {key: t.detach().to("cpu", dtype).contiguous().clone() for key, t in peft.items()}
     experts = (_EXPERT_ADAPTER.match(clean_name(name)) for name in adapters)
     target_parameters = sorted({f"experts.{match['param']}" for match in experts if match})
     _remove_interrupted_saves(path)
@@ -506,7 +522,9 @@ def save_adapter(
     if args is None:
         raise LoraError("the model has no LoRA adapters to save")
     name = base_model_name or str(getattr(model, "source_dir", "") or "")
-    return write_adapter(path, adapter_state_dict(model), args, base_model_name=name, dtype=dtype)
+    return write_adapter(
+        path, adapter_state_dict(model), args, base_model_name=name, dtype=dtype, prefix=peft_prefix(model)
+    )
 
 
 _UNSUPPORTED = {
@@ -607,7 +625,8 @@ def load_peft_adapter(model: nn.Module, path: str | Path) -> LoraArgs:
         param = params[by_clean[name]]
         if tuple(tensor.shape) != tuple(param.shape):
             raise LoraError(
-                f"adapter {path}: {peft_key(name)} has shape {tuple(tensor.shape)}, the model {tuple(param.shape)}"
+                f"adapter {path}: {peft_key(name, peft_prefix(model))} has shape {tuple(tensor.shape)}, the model "
+                f"{tuple(param.shape)}"
             )
         param.copy_(tensor)
     if current is not None and current != args:

@@ -20,7 +20,10 @@ from typing import Any
 from .architecture import Architecture, HFLayout
 from .config import ModelArgs, ModelConfigError, parse_decoder_args
 
-LAYOUT = HFLayout(load_renames=(("model.language_model.", "model."), ("visual.", "model.visual.")))
+LAYOUT = HFLayout(
+    load_renames=(("model.language_model.", "model."), ("visual.", "model.visual.")),
+    peft_prefix="model.language_model.",
+)
 
 
 def parse(config: Mapping[str, Any]) -> ModelArgs:

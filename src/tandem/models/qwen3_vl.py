@@ -24,7 +24,7 @@ from . import qwen3, qwen3_moe
 from .architecture import Architecture, HFLayout
 from .config import ModelArgs, ModelConfigError
 
-LAYOUT = HFLayout(prefix="model.language_model.")
+LAYOUT = HFLayout(prefix="model.language_model.", peft_prefix="model.language_model.")
 DEFAULT_MROPE_SECTION = (24, 20, 20)
 
 
@@ -52,5 +52,5 @@ ARCHITECTURE = Architecture("Qwen3VLForConditionalGeneration", _parser(qwen3.par
 MOE_ARCHITECTURE = Architecture(
     "Qwen3VLMoeForConditionalGeneration",
     _parser(qwen3_moe.parse, norm_topk_prob=True),
-    layout=HFLayout(prefix="model.language_model.", save_stacked_experts=True),
+    layout=HFLayout(prefix="model.language_model.", peft_prefix="model.language_model.", save_stacked_experts=True),
 )

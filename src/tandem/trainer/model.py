@@ -22,7 +22,7 @@ from tandem.models.layers.gated_deltanet import SCAN_BACKENDS
 from tandem.models.layers.indexer import INDEX_BACKENDS
 from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
-from tandem.models.lora import LoraArgs, apply_lora, is_adapter_name, lora_args, write_adapter
+from tandem.models.lora import LoraArgs, apply_lora, is_adapter_name, lora_args, peft_prefix, write_adapter
 from tandem.trainer.expert_parallel import apply_expert_parallel
 from tandem.trainer.metrics import flops_per_token
 from tandem.trainer.parallel import DTYPES, World, full_tensors, shard_model
@@ -250,7 +250,7 @@ def export_adapter(model: torch.nn.Module, info: ModelInfo, path: Path, world: W
     args = lora_args(model)
     adapters = gather_adapters(model, world)
     if world.is_main and args is not None:
-        write_adapter(path, adapters, args, base_model_name=str(info.source_dir))
+        write_adapter(path, adapters, args, base_model_name=str(info.source_dir), prefix=peft_prefix(info.args))
         logger.info("saved LoRA adapter (PEFT format) %s", path)
     if dist.is_initialized():
         dist.barrier()

@@ -22,7 +22,7 @@ from tandem.config.inference import InferenceConfig
 from tandem.inference.startup import Terminated, stop_on_sigterm
 from tandem.inference.vllm.routes import SETTINGS_ENV, RouteSettings
 from tandem.models import build_model, model_args
-from tandem.models.lora import LoraArgs, adapter_state_dict, apply_lora, lora_modules, write_adapter
+from tandem.models.lora import LoraArgs, adapter_state_dict, apply_lora, lora_modules, peft_prefix, write_adapter
 from tandem.run import prepare_run_dir
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,9 @@ def write_starting_adapter(path: Path, model_dir: Path, lora: LoraArgs) -> Path:
         module.lora_A.to_empty(device="cpu")
         module.lora_B.to_empty(device="cpu")
         module.reset_lora_parameters(generator)
-    return write_adapter(path, adapter_state_dict(model), lora, base_model_name=str(model_dir))
+    return write_adapter(
+        path, adapter_state_dict(model), lora, base_model_name=str(model_dir), prefix=peft_prefix(model)
+    )
 
 
 def serve(config: InferenceConfig, model_dir: Path, admin_token: str | None, lora: LoraArgs | None = None) -> int:
