@@ -19,6 +19,7 @@ from tandem.images import ImageError, PixelEncoder
 from tandem.models import CausalLM
 from tandem.models.decoder import VisualFeatures
 from tandem.models.layers.rope import mrope_positions
+from tandem.models.layers.vision import merged_tokens
 
 MAX_IMAGES = 16
 """Images one request may carry."""
@@ -52,7 +53,7 @@ def expand(
         pixel_values, grid_thw = pixels.encode(refs)
     except ImageError as error:
         raise ValueError(f"bad image: {error}") from None
-    counts = (grid_thw.prod(-1) // pixels.merge**2).tolist()
+    counts = merged_tokens(grid_thw, pixels.merge).tolist()
     expanded: list[int] = []
     spans: list[tuple[int, int]] = []
     start = 0

@@ -54,35 +54,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm import RMSNorm
-from .vision import NORM_EPS, VISION_ACTIVATIONS, VisionAttention, axial_rope, frame_runs, patch_coordinates
+from .vision import NORM_EPS, VISION_ACTIVATIONS, TowerArgs, VisionAttention, axial_rope, frame_runs, patch_coordinates
+
+QWEN2_5_VISION_DEFAULTS = {
+    "depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
+    "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584,
+    "hidden_act": "silu",
+}  # fmt: skip
+"""`Qwen2_5_VLVisionConfig`'s defaults for the shared fields."""
 
 
-@dataclass(frozen=True)
-class Qwen2_5VisionArgs:
-    """The encoder's shape; `from_hf` reads a HF `vision_config`."""
+@dataclass(frozen=True, kw_only=True)
+class Qwen2_5VisionArgs(TowerArgs):
+    """Qwen2.5-VL's tower: window attention except at `fullatt_block_indexes`; `from_hf` reads a HF
+    `vision_config`."""
 
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    in_channels: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    out_hidden_size: int
     window_size: int
     fullatt_block_indexes: tuple[int, ...]
-    hidden_act: str
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per row of `pixel_values`."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def window_blocks(self) -> int:
@@ -93,40 +81,16 @@ class Qwen2_5VisionArgs:
     def from_hf(cls, vision_config: Mapping[str, Any]) -> Qwen2_5VisionArgs:
         """Absent keys take `Qwen2_5_VLVisionConfig`'s defaults; unsupported values raise a ValueError naming the
         key."""
-        cfg = vision_config
-        rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision rope_parameters.rope_type {rope['rope_type']!r} unsupported; only 'axial'")
         args = cls(
-            depth=cfg.get("depth", 32),
-            hidden_size=cfg.get("hidden_size", 3584),
-            intermediate_size=cfg.get("intermediate_size", 3420),
-            num_heads=cfg.get("num_heads", 16),
-            in_channels=cfg.get("in_channels", 3),
-            patch_size=cfg.get("patch_size", 14),
-            temporal_patch_size=cfg.get("temporal_patch_size", 2),
-            spatial_merge_size=cfg.get("spatial_merge_size", 2),
-            out_hidden_size=cfg.get("out_hidden_size", 3584),
-            window_size=cfg.get("window_size", 112),
-            fullatt_block_indexes=tuple(cfg.get("fullatt_block_indexes", (7, 15, 23, 31))),
-            hidden_act=cfg.get("hidden_act", "silu"),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            **cls.hf_fields(vision_config, QWEN2_5_VISION_DEFAULTS),
+            window_size=vision_config.get("window_size", 112),
+            fullatt_block_indexes=tuple(vision_config.get("fullatt_block_indexes", (7, 15, 23, 31))),
         )
         args.validate()
         return args
 
     def validate(self) -> None:
-        """A ValueError naming the first field whose value the encoder cannot run."""
-        if self.hidden_act not in VISION_ACTIVATIONS:
-            raise ValueError(f"vision hidden_act {self.hidden_act!r} unsupported; known: {sorted(VISION_ACTIVATIONS)}")
-        for key in ("patch_size", "temporal_patch_size", "spatial_merge_size"):
-            if not isinstance(getattr(self, key), int):
-                raise ValueError(f"vision {key} {getattr(self, key)!r} unsupported; only a single int")
-        if self.hidden_size % self.num_heads or self.head_dim % 4:
-            raise ValueError(
-                f"vision num_heads {self.num_heads} must split hidden_size {self.hidden_size} into heads whose "
-                "size is a multiple of 4 (axial RoPE)"
-            )
+        super().validate()
         if self.window_blocks < 1:
             raise ValueError(
                 f"vision window_size {self.window_size} must span at least one merge block "

@@ -49,9 +49,9 @@ VISION_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 """The blocks' MLP activations, by HF `hidden_act` name."""
 
 
-@dataclass(frozen=True)
-class VisionArgs:
-    """The encoder's shape; `from_hf` reads a HF `vision_config`."""
+@dataclass(frozen=True, kw_only=True)
+class TowerArgs:
+    """What the Qwen-VL vision towers' shapes share; each tower's args add their own fields."""
 
     depth: int
     hidden_size: int
@@ -62,8 +62,6 @@ class VisionArgs:
     temporal_patch_size: int
     spatial_merge_size: int
     out_hidden_size: int
-    num_position_embeddings: int
-    deepstack_visual_indexes: tuple[int, ...]
     hidden_act: str
     rope_theta: float = 10000.0
 
@@ -76,30 +74,16 @@ class VisionArgs:
         """Values per row of `pixel_values`."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
-    @classmethod
-    def from_hf(cls, vision_config: Mapping[str, Any]) -> VisionArgs:
-        """Absent keys take `Qwen3VLVisionConfig`'s defaults; unsupported values raise a ValueError naming the key."""
-        cfg = vision_config
-        rope = cfg.get("rope_parameters") or {}
+    @staticmethod
+    def hf_fields(vision_config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """The shared fields of a HF `vision_config`, `defaults` (the family's config class's) for absent keys;
+        a ValueError for a RoPE other than axial."""
+        rope = vision_config.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"vision rope_parameters.rope_type {rope['rope_type']!r} unsupported; only 'axial'")
-        args = cls(
-            depth=cfg.get("depth", 27),
-            hidden_size=cfg.get("hidden_size", 1152),
-            intermediate_size=cfg.get("intermediate_size", 4304),
-            num_heads=cfg.get("num_heads", 16),
-            in_channels=cfg.get("in_channels", 3),
-            patch_size=cfg.get("patch_size", 16),
-            temporal_patch_size=cfg.get("temporal_patch_size", 2),
-            spatial_merge_size=cfg.get("spatial_merge_size", 2),
-            out_hidden_size=cfg.get("out_hidden_size", 3584),
-            num_position_embeddings=cfg.get("num_position_embeddings", 2304),
-            deepstack_visual_indexes=tuple(cfg.get("deepstack_visual_indexes", (8, 16, 24))),
-            hidden_act=cfg.get("hidden_act", "gelu_pytorch_tanh"),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        )
-        args.validate()
-        return args
+        fields = {key: vision_config.get(key, default) for key, default in defaults.items()}
+        fields["rope_theta"] = float(rope.get("rope_theta", vision_config.get("rope_theta", 10000.0)))
+        return fields
 
     def validate(self) -> None:
         """A ValueError naming the first field whose value the encoder cannot run."""
@@ -113,6 +97,36 @@ class VisionArgs:
                 f"vision num_heads {self.num_heads} must split hidden_size {self.hidden_size} into heads whose "
                 "size is a multiple of 4 (axial RoPE)"
             )
+
+
+QWEN3_VISION_DEFAULTS = {
+    "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3,
+    "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584,
+    "hidden_act": "gelu_pytorch_tanh",
+}  # fmt: skip
+"""`Qwen3VLVisionConfig`'s defaults for the shared fields."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionArgs(TowerArgs):
+    """Qwen3-VL's tower: a learned position table and DeepStack mergers; `from_hf` reads a HF `vision_config`."""
+
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, vision_config: Mapping[str, Any]) -> VisionArgs:
+        """Absent keys take `Qwen3VLVisionConfig`'s defaults; unsupported values raise a ValueError naming the key."""
+        args = cls(
+            **cls.hf_fields(vision_config, QWEN3_VISION_DEFAULTS),
+            num_position_embeddings=vision_config.get("num_position_embeddings", 2304),
+            deepstack_visual_indexes=tuple(vision_config.get("deepstack_visual_indexes", (8, 16, 24))),
+        )
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        super().validate()
         indexes = self.deepstack_visual_indexes
         if len(set(indexes)) != len(indexes) or any(not 0 <= i < self.depth for i in indexes):
             raise ValueError(f"vision deepstack_visual_indexes {indexes} must be distinct layers below depth")
