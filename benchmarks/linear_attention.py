@@ -3,6 +3,7 @@ Mamba-2 (Nemotron-H's `mixer`) in their chunked form, against their recurrent re
 layer on the same weights, forward + backward tokens/s.
 
     python benchmarks/linear_attention.py --smoke      # CPU, tiny layers: does every part run?
+    TRITON_INTERPRET=1 python benchmarks/linear_attention.py --smoke   # the Triton kernels too, interpreted
     python benchmarks/linear_attention.py              # GPU: one layer of Qwen3-Next-80B-A3B and of Nemotron-H-8B
 
 Each layer is built from a one-layer Hugging Face config of the family (random weights, bf16), transformers' layer
@@ -12,16 +13,17 @@ transformers runs its plain-torch path (`torch_chunk_gated_delta_rule`, Mamba-2'
 paths need flash-linear-attention, causal-conv1d or mamba_ssm, none of which is a tandem dependency. The
 recurrent reference (token by token, the decode step's form) runs at the smallest length only. tandem also runs
 a packed row of the same length, 8 documents, state reset at each start (transformers cannot keep them apart),
-and on a GPU Gated DeltaNet with its pass over chunks as the Triton kernel (`speed.delta_scan_kernel = triton`)
-instead of the Python loop.
+and on a GPU the Triton kernels: Gated DeltaNet's pass over chunks (`speed.delta_scan_kernel = triton`) instead of
+the Python loop, Mamba-2's within-chunk part (`speed.ssd_kernel = triton`) instead of the einsums.
 
-Columns: tokens/s and the ratio to transformers at the same length; the max abs difference of the forward against
-transformers' (bf16 weights, fp32 scan) says they computed the same thing.
+Columns: tokens/s and the ratio to transformers at the same length, the peak GPU memory of the step; the max abs
+difference of the forward against transformers' (bf16 weights, fp32 scan) says they computed the same thing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from tandem.models import build_model
 from tandem.models.layers.attention import AttnInputs
 from tandem.models.layers.gated_deltanet import SCAN_BACKENDS, recurrent_gated_delta_rule
-from tandem.models.layers.mamba2 import recurrent_ssd
+from tandem.models.layers.mamba2 import KERNEL_CHUNK, SSD_BACKENDS, recurrent_ssd
 
 # One linear-attention layer of Qwen3-Next-80B-A3B (hidden 2048; 16 key heads, 32 value heads of 128; conv 4).
 QWEN3_NEXT_LAYER = {
@@ -85,7 +87,7 @@ def reference(ours: torch.nn.Module, model_type: str) -> Callable[[torch.Tensor]
     chunked = getattr(module, name)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        setattr(module, name, lambda *a, chunk_size=None, scan=None, **k: recurrent(*a, **k))
+        setattr(module, name, lambda *a, chunk_size=None, scan=None, intra=None, **k: recurrent(*a, **k))
         try:
             return ours(x, None, None, AttnInputs())
         finally:
@@ -94,26 +96,33 @@ def reference(ours: torch.nn.Module, model_type: str) -> Callable[[torch.Tensor]
     return run
 
 
-def with_scan(ours: torch.nn.Module, scan: str, attn: AttnInputs) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Gated DeltaNet with its pass over chunks by `scan` (a `SCAN_BACKENDS` name)."""
+def with_kernels(ours: torch.nn.Module, attn: AttnInputs) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer with its Triton kernels, as the `speed.*_kernel = triton` switches build it: Gated DeltaNet's
+    pass over chunks, Mamba-2's within-chunk part (in chunks of `KERNEL_CHUNK`)."""
+    switches = {"scan": "triton"} if hasattr(ours, "scan") else {"ssd": "triton", "chunk_size": KERNEL_CHUNK}
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        ours.scan = scan
+        kept = {name: getattr(ours, name) for name in switches}
+        for name, value in switches.items():
+            setattr(ours, name, value)
         try:
             return ours(x, None, None, attn)
         finally:
-            ours.scan = "torch"
+            for name, value in kept.items():
+                setattr(ours, name, value)
 
     return run
 
 
-def timed(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, iters: int) -> float:
-    """Seconds per forward + backward of `step` on `x` (after one warm-up)."""
+def timed(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, iters: int) -> tuple[float, float]:
+    """Seconds per forward + backward of `step` on `x` (after one warm-up), and the peak GiB allocated (GPU)."""
 
     def once() -> None:
         x.grad = None
         step(x).float().square().mean().backward()
 
+    if x.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
     once()
     if x.is_cuda:
         torch.cuda.synchronize()
@@ -122,7 +131,8 @@ def timed(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, iters: 
         once()
     if x.is_cuda:
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+    peak = torch.cuda.max_memory_allocated() / 2**30 if x.is_cuda else float("nan")
+    return (time.perf_counter() - start) / iters, peak
 
 
 def packed_resets(tokens: int, documents: int, device: torch.device) -> torch.Tensor:
@@ -144,9 +154,9 @@ def bench(config: dict, args: argparse.Namespace, device: torch.device) -> list[
             diff = (ours(x[:, :4096], None, None, AttnInputs()).float() - want).abs().max().item()
             del want
         try:
-            hf_s = timed(lambda t: theirs(t), x, args.iters)
+            hf_s, hf_peak = timed(lambda t: theirs(t), x, args.iters)
         except torch.OutOfMemoryError:  # transformers' torch path materialises more than tandem's
-            hf_s = float("nan")
+            hf_s = hf_peak = float("nan")
             torch.cuda.empty_cache()
         print(f"  {family} {tokens} transformers: {tokens / hf_s:,.0f} tok/s", flush=True)
         documents = AttnInputs(resets=packed_resets(tokens, 8, device))
@@ -154,22 +164,22 @@ def bench(config: dict, args: argparse.Namespace, device: torch.device) -> list[
             "tandem chunked": lambda t: ours(t, None, None, AttnInputs()),
             "tandem chunked, packed (8 documents)": lambda t, attn=documents: ours(t, None, None, attn),
         }
-        if family == "qwen3_next" and "triton" in SCAN_BACKENDS:
-            variants["tandem chunked, Triton scan"] = with_scan(ours, "triton", AttnInputs())
-            variants["tandem chunked, Triton scan, packed"] = with_scan(ours, "triton", documents)
+        if "triton" in SCAN_BACKENDS:
+            variants["tandem chunked, Triton kernels"] = with_kernels(ours, AttnInputs())
+            variants["tandem chunked, Triton kernels, packed"] = with_kernels(ours, documents)
         if i == 0:
             variants["tandem recurrent reference"] = reference(ours, family)
         hf_note = "out of memory" if hf_s != hf_s else ""
-        rows.append((family, tokens, "transformers (torch path)", tokens / hf_s, 1.0, hf_note))
+        rows.append((family, tokens, "transformers (torch path)", tokens / hf_s, 1.0, hf_peak, hf_note))
         for label, step in variants.items():
             try:
-                seconds = timed(step, x, 1 if "recurrent" in label else args.iters)
+                seconds, peak = timed(step, x, 1 if "recurrent" in label else args.iters)
             except torch.OutOfMemoryError:  # one variant out of memory must not lose the others' numbers
-                rows.append((family, tokens, label, float("nan"), float("nan"), "out of memory"))
+                rows.append((family, tokens, label, float("nan"), float("nan"), float("nan"), "out of memory"))
                 torch.cuda.empty_cache()
                 continue
             note = f"max abs diff vs transformers {diff:.1e}" if label == "tandem chunked" else ""
-            rows.append((family, tokens, label, tokens / seconds, hf_s / seconds, note))
+            rows.append((family, tokens, label, tokens / seconds, hf_s / seconds, peak, note))
             print(f"  {family} {tokens} {label}: {tokens / seconds:,.0f} tok/s", flush=True)
         del x
     return rows
@@ -182,10 +192,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type == "cuda":  # Gated DeltaNet's Triton pass over chunks, as `speed.delta_scan_kernel` registers it
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # as `speed.*_kernel = triton` register them
         from tandem.kernels.delta_scan import delta_chunk_scan_triton
+        from tandem.kernels.ssd import intra_chunk_ssd_triton
 
-        SCAN_BACKENDS["triton"] = delta_chunk_scan_triton
+        SCAN_BACKENDS["triton"], SSD_BACKENDS["triton"] = delta_chunk_scan_triton, intra_chunk_ssd_triton
     configs = [QWEN3_NEXT_LAYER, NEMOTRON_H_LAYER]
     if args.smoke:
         args.tokens, args.iters = [64, 128], 1
@@ -193,9 +204,9 @@ def main() -> None:
     rows = [row for config in configs for row in bench(config, args, device)]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\n{name}, torch {torch.__version__}: forward + backward of one layer, one sequence")
-    print(f"{'layer':<11} {'tokens':>6}  {'variant':<37} {'tok/s':>11} {'vs transformers':>15}  note")
-    for family, tokens, label, tok_s, ratio, note in rows:
-        print(f"{family:<11} {tokens:>6}  {label:<37} {tok_s:>11,.0f} {ratio:>14.2f}x  {note}")
+    print(f"{'layer':<11} {'tokens':>6}  {'variant':<38} {'tok/s':>11} {'vs transformers':>15} {'peak GiB':>8}  note")
+    for family, tokens, label, tok_s, ratio, peak, note in rows:
+        print(f"{family:<11} {tokens:>6}  {label:<38} {tok_s:>11,.0f} {ratio:>14.2f}x {peak:>8.1f}  {note}")
 
 
 if __name__ == "__main__":

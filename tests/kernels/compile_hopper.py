@@ -82,7 +82,7 @@ def _launches() -> Iterator[Launch]:
     """Every kernel as the engine and the trainer launch it, at Qwen3-0.6B's shapes, in bf16 (what GPUs run); the
     attention kernels at one row (keys split over programs) and 32 rows, and the one-kernel attention in fp32
     too (the GPU tests run it). Each is (label, the wrapper, its arguments, its keyword arguments)."""
-    from tandem.kernels import decode, delta_scan, gemv, gumbel, rope, swiglu
+    from tandem.kernels import decode, delta_scan, gemv, gumbel, rope, ssd, swiglu
 
     heads, kv_heads, dim, hidden, blocks, block_size = 16, 8, 128, 1024, 40, 16
     for dtype, rows in [(torch.bfloat16, 1), (torch.bfloat16, 32), (torch.float32, 1)]:
@@ -145,6 +145,12 @@ def _launches() -> Iterator[Launch]:
     yield "delta scan forward", delta_scan.scan_forward, (*saved, state), {}
     states = torch.zeros(*batch_heads, chunks, dk, dk)
     yield "delta scan backward", delta_scan.scan_backward, (saved, states, u, state), {}
+    # Mamba-2's within-chunk part at Nemotron-H-8B's widths (128 heads of 64, 8 groups, state 128), packed, fp32
+    batch, chunks, size, heads, groups = 1, 4, 64, 128, 8
+    C, xdt = torch.zeros(batch, chunks, size, groups, 128), torch.zeros(batch, chunks, size, heads, 64)
+    cum, seg = torch.zeros(batch, heads, chunks, size), torch.zeros(batch, 1, chunks, size, dtype=torch.int64)
+    yield "ssd intra-chunk forward", ssd.intra_forward, (C, C, xdt, cum, seg), {}
+    yield "ssd intra-chunk backward", ssd.intra_backward, (C, C, xdt, cum, seg, xdt), {}
 
 
 def main() -> None:

@@ -81,7 +81,7 @@ def test_model_with_triton_swiglu_matches_torch(tiny_model_dir):
 
 def test_trainer_refuses_triton_kernels_without_gpu(monkeypatch):
     from tandem.config import ConfigError
-    from tandem.trainer.model import kernel_options
+    from tandem.model_kernels import kernel_options
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=r"speed.swiglu_kernel = triton: Triton kernels need CUDA"):
@@ -93,5 +93,6 @@ def test_trainer_refuses_triton_kernels_without_gpu(monkeypatch):
         "swiglu_backend": "torch",
         "index_backend": "torch",
         "delta_scan_backend": "torch",
+        "ssd_backend": "torch",
     }
     assert kernel_options(torch.device("cpu")) == expected

@@ -60,6 +60,8 @@ class SpeedConfig(Section):
     """DeepSeek-V3.2's indexer scores as torch ops, or as one tiled Triton kernel (GPU; other models ignore it)."""
     delta_scan_kernel: Literal["torch", "triton"] = "torch"
     """Gated DeltaNet's pass over chunks (Qwen3-Next, Qwen3.5) as a Python loop of matmuls, or as one Triton kernel each way (GPU; fp32 like the loop; other models ignore it)."""
+    ssd_kernel: Literal["torch", "triton"] = "torch"
+    """Mamba-2's within-chunk part (Nemotron-H) as torch einsums over [chunk, chunk] scores, or as Triton kernels that keep them in registers (GPU; fp32 like torch; less memory; other models ignore it)."""
     moe_balanced_routing: bool = False
     """Benchmarks only: route tokens round-robin so every expert gets the same count (not a real router; in RL the trainer then scores another policy than inference samples)."""
     sync_debug: Literal["off", "warn", "error"] = "off"

@@ -27,6 +27,8 @@ from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
 from tandem.inference.serving_log import ServingSummary
 from tandem.inference.startup import Terminated, announce, check_context, stop_on_sigterm
+from tandem.kernels import triton_unavailable_reason
+from tandem.model_kernels import kernel_options
 from tandem.models import CausalLM, build_model, load_model
 from tandem.models.lora import (
     LoraArgs,
@@ -155,6 +157,17 @@ def served_names(config: InferenceConfig, model_dir: Path) -> tuple[str, str | N
     return adapter, base
 
 
+def prefill_kernels(config: InferenceConfig, device: torch.device) -> dict[str, str]:
+    """The hybrid layers' kernel options (`delta_scan_backend`, `ssd_backend`) for `inference.prefill_kernels`."""
+    choice = config.prefill_kernels
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" and triton_unavailable_reason("cuda") is None else "torch"
+    if choice == "triton" and (reason := triton_unavailable_reason(device.type)) is not None:
+        raise ConfigError(f"inference.prefill_kernels = triton: {reason}")
+    kernels = kernel_options(device, delta_scan=choice, ssd=choice)
+    return {name: kernels[name] for name in ("delta_scan_backend", "ssd_backend")}
+
+
 def load_served_model(
     config: InferenceConfig, model_dir: Path, device: torch.device, lora: LoraArgs | None
 ) -> CausalLM:
@@ -168,6 +181,7 @@ def load_served_model(
         attn_backend=config.model.attn_backend,
         moe_backend=config.model.moe_backend,
         freeze_router=config.model.freeze_router,
+        **prefill_kernels(config, device),
     )
     if lora is None:
         return model

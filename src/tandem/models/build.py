@@ -22,6 +22,7 @@ RUNTIME_OPTIONS = (
     "swiglu_backend",
     "index_backend",
     "delta_scan_backend",
+    "ssd_backend",
 )
 
 ModelArgsLike = ModelArgs | Mapping[str, Any] | str | Path
@@ -36,7 +37,7 @@ def model_args(config: ModelArgsLike, **runtime: Any) -> ModelArgs:
     (a name from `MOE_BACKENDS`, or one per layer), freeze_router, moe_balanced_routing (benchmarks: every
     expert gets the same number of tokens), rope_backend (a name from `ROPE_BACKENDS`), swiglu_backend (a name
     from `SWIGLU_BACKENDS`), index_backend (a name from `layers.indexer.INDEX_BACKENDS`; DeepSeek-V3.2), delta_scan_backend (a name from
-    `layers.gated_deltanet.SCAN_BACKENDS`; Gated DeltaNet).
+    `layers.gated_deltanet.SCAN_BACKENDS`; Gated DeltaNet), ssd_backend (a name from `layers.mamba2.SSD_BACKENDS`; Mamba-2).
     """
     unknown = set(runtime) - set(RUNTIME_OPTIONS)
     if unknown:

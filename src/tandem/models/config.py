@@ -231,6 +231,7 @@ class ModelArgs:
     swiglu_backend: str = "torch"  # a name in layers.mlp.SWIGLU_BACKENDS (dense MLPs)
     index_backend: str = "torch"  # a name in layers.indexer.INDEX_BACKENDS (DeepSeek-V3.2's indexer scores)
     delta_scan_backend: str = "torch"  # a name in layers.gated_deltanet.SCAN_BACKENDS (Gated DeltaNet's chunk scan)
+    ssd_backend: str = "torch"  # a name in layers.mamba2.SSD_BACKENDS (Mamba-2's within-chunk part)
     hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

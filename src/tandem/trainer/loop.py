@@ -21,9 +21,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from tandem.checkpoints import checkpoints_root
 from tandem.config.training import SpeedConfig, TrainingRunConfig
+from tandem.model_kernels import kernel_options
 from tandem.trainer import ckpt
 from tandem.trainer.gc_schedule import scheduled_gc
-from tandem.trainer.model import ModelInfo, build_training_model, export_hf, kernel_options
+from tandem.trainer.model import ModelInfo, build_training_model, export_hf
 from tandem.trainer.monitor import Monitor, stop_if_diverged
 from tandem.trainer.parallel import World, clip_grad_norm_
 from tandem.trainer.schedule import build_optimizer
@@ -69,6 +70,7 @@ def model_runtime(speed: SpeedConfig, device: torch.device) -> dict:
         swiglu=speed.swiglu_kernel,
         index=speed.index_kernel,
         delta_scan=speed.delta_scan_kernel,
+        ssd=speed.ssd_kernel,
     )
     return {**kernels, "moe_balanced_routing": speed.moe_balanced_routing}
 

@@ -15,13 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
-from tandem.kernels import triton_unavailable_reason
 from tandem.models import ModelArgs, build_model, load_model, model_args, save_model
 from tandem.models.checkpoint import INDEX_FILE
-from tandem.models.layers.gated_deltanet import SCAN_BACKENDS
-from tandem.models.layers.indexer import INDEX_BACKENDS
-from tandem.models.layers.mlp import SWIGLU_BACKENDS
-from tandem.models.layers.rope import ROPE_BACKENDS
 from tandem.models.lora import LoraArgs, apply_lora, is_adapter_name, lora_args, peft_prefix, write_adapter
 from tandem.trainer.expert_parallel import apply_expert_parallel
 from tandem.trainer.metrics import flops_per_token
@@ -47,35 +42,6 @@ def runtime_options(config: ModelConfig, freeze_router_default: bool) -> dict:
         "moe_backend": tuple(backend) if isinstance(backend, list) else backend,
         "freeze_router": freeze_router_default if freeze is None else freeze,
     }
-
-
-def kernel_options(
-    device: torch.device, rope: str = "torch", swiglu: str = "torch", index: str = "torch", delta_scan: str = "torch"
-) -> dict[str, str]:
-    """The models' `rope_backend`, `swiglu_backend`, `index_backend` and `delta_scan_backend` runtime options; the
-    Triton kernels, which models may not import, are registered here."""
-    kernels = {"rope": rope, "swiglu": swiglu, "index": index, "delta_scan": delta_scan}
-    chosen = [f"speed.{name}_kernel" for name, kernel in kernels.items() if kernel == "triton"]
-    reason = triton_unavailable_reason(device.type) if chosen else None
-    if reason is not None:
-        raise ConfigError(f"{' and '.join(chosen)} = triton: {reason}")
-    if rope == "triton" and rope not in ROPE_BACKENDS:
-        from tandem.kernels.rope import apply_rope_triton
-
-        ROPE_BACKENDS[rope] = apply_rope_triton
-    if swiglu == "triton" and swiglu not in SWIGLU_BACKENDS:
-        from tandem.kernels.swiglu import swiglu as swiglu_triton
-
-        SWIGLU_BACKENDS[swiglu] = swiglu_triton
-    if index == "triton" and index not in INDEX_BACKENDS:
-        from tandem.kernels.indexer import index_scores_triton
-
-        INDEX_BACKENDS[index] = index_scores_triton
-    if delta_scan == "triton" and delta_scan not in SCAN_BACKENDS:
-        from tandem.kernels.delta_scan import delta_chunk_scan_triton
-
-        SCAN_BACKENDS[delta_scan] = delta_chunk_scan_triton
-    return {f"{name}_backend": kernel for name, kernel in kernels.items()}
 
 
 def active_params(model: torch.nn.Module, args: ModelArgs) -> int:

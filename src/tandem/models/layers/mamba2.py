@@ -12,7 +12,9 @@ then the gated grouped RMSNorm (`x * silu(z)` first, then normalised per group; 
 
 Two equal forms, fp32: `recurrent_ssd` (token by token: the reference and the decode step) and `chunk_ssd` (SSD:
 within a chunk a masked attention-like product, between chunks the same over chunk states: one matmul by the
-decays between every pair of chunks, no loop; transformers' `mamba2_chunk_scan`), for training and prefill.
+decays between every pair of chunks, no loop; transformers' `mamba2_chunk_scan`), for training and prefill. The
+within-chunk part is `SSD_BACKENDS[args.ssd_backend]`: torch einsums over `[L, L]` scores, or Triton kernels that
+keep those tiles in registers (`tandem.kernels.ssd`, `speed.ssd_kernel`).
 
 Documents: as `layers.gated_deltanet`, both forms take `resets` `[B, S]` (True at a document start and at every
 padding token) and keep documents apart in the packed layout: the conv masks taps that reach back across a start,
@@ -25,6 +27,7 @@ tokens per sequence and continue from the slot's conv inputs and SSM state (`Sta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +81,30 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~torch.ones(size, size, dtype=torch.bool, device=a.device).tril(), float("-inf"))
 
 
+def intra_chunk_ssd(
+    C: torch.Tensor, B: torch.Tensor, xdt: torch.Tensor, a: torch.Tensor, seg: torch.Tensor | None
+) -> torch.Tensor:
+    """The within-chunk outputs `[b, c, l, h, p]`: C, B `[b, c, l, g, n]`, xdt `[b, c, l, h, p]`, the log decays
+    a `[b, h, c, l]` and seg `[b, 1, c, l]` (segment ids within each chunk, or None), all fp32. `C B^T` is formed
+    per group, the decays per head."""
+    per_group = xdt.shape[3] // C.shape[3]
+    decays = segment_sum(a)  # [b, h, c, l, s]
+    if seg is not None:
+        decays = decays.masked_fill(seg[..., :, None] != seg[..., None, :], float("-inf"))
+    scores = torch.einsum("bclgn,bcsgn->bgcls", C, B).repeat_interleave(per_group, dim=1) * decays.exp()
+    return torch.einsum("bhcls,bcshp->bclhp", scores, xdt)
+
+
+IntraChunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+SSD_BACKENDS: dict[str, IntraChunk] = {"torch": intra_chunk_ssd}
+"""`chunk_ssd`'s within-chunk part by `ssd_backend` name; the trainer registers "triton"
+(`tandem.kernels.ssd.intra_chunk_ssd_triton`; this package imports no kernel).
+
+The kernels run chunks of `KERNEL_CHUNK` tokens whatever the config's `chunk_size`: the chunk length only splits
+the same sums (equal results in exact arithmetic), and at 64 a chunk's `[L, L]` tiles fit in registers."""
+KERNEL_CHUNK = 64
+
+
 def chunk_ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -88,10 +115,12 @@ def chunk_ssd(
     resets: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 128,
+    intra: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked form of `recurrent_ssd` (same arguments and results); see the module docstring."""
+    """Chunked form of `recurrent_ssd` (same arguments and results; `intra` names the within-chunk part in
+    `SSD_BACKENDS`); see the module docstring."""
     heads = x.shape[2]
-    x, dt, B, C = x.float(), dt.float(), _heads_of_groups(B, heads), _heads_of_groups(C, heads)
+    x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
     batch, seq, _, dim = x.shape
     skip = D.float()[:, None] * x
     pad = (chunk_size - seq % chunk_size) % chunk_size
@@ -99,19 +128,17 @@ def chunk_ssd(
     dt = F.pad(dt, (0, 0, 0, pad))  # padded tokens: no decay, no update
     chunks = (seq + pad) // chunk_size
     xdt = (x * dt[..., None]).unflatten(1, (chunks, chunk_size))  # [b, c, l, h, p]
-    B, C = B.unflatten(1, (chunks, chunk_size)), C.unflatten(1, (chunks, chunk_size))  # [b, c, l, h, n]
+    B, C = B.unflatten(1, (chunks, chunk_size)), C.unflatten(1, (chunks, chunk_size))  # [b, c, l, g, n]
     a = (dt * A.float()).unflatten(1, (chunks, chunk_size)).permute(0, 3, 1, 2)  # [b, h, c, l] log decays
     cum = a.cumsum(dim=-1)
-    segsum = segment_sum(a)  # [b, h, c, l, s]
-    carry = last_segment = None
+    seg = carry = last_segment = None
     if resets is not None:
         # segment index within the chunk: 0 = the segment the chunk inherits from the previous one
         seg = F.pad(resets, (0, pad)).unflatten(1, (chunks, chunk_size)).long().cumsum(dim=-1)[:, None]  # [b,1,c,l]
-        segsum = segsum.masked_fill(seg[..., :, None] != seg[..., None, :], float("-inf"))
         carry = (seg == 0).float()
         last_segment = (seg == seg[..., -1:]).float()
-    scores = torch.einsum("bclhn,bcshn->bhcls", C, B) * segsum.exp()
-    y_diag = torch.einsum("bhcls,bcshp->bclhp", scores, xdt)
+    y_diag = SSD_BACKENDS[intra](C, B, xdt, a, seg)
+    B, C = B.repeat_interleave(heads // B.shape[3], dim=3), C.repeat_interleave(heads // C.shape[3], dim=3)
     decay_out = (cum[..., -1:] - cum).exp()
     if last_segment is not None:
         decay_out = decay_out * last_segment
@@ -139,7 +166,8 @@ class Mamba2(nn.Module):
         super().__init__()
         m = args.mamba
         assert m is not None
-        self.layer_idx, self.chunk_size, self.dt_limit = layer_idx, m.chunk_size, m.dt_limit
+        self.layer_idx, self.dt_limit, self.ssd = layer_idx, m.dt_limit, args.ssd_backend
+        self.chunk_size = m.chunk_size if self.ssd == "torch" else KERNEL_CHUNK
         self.num_heads, self.head_dim, self.n_groups, self.state_size = (
             m.num_heads,
             m.head_dim,
@@ -206,7 +234,7 @@ class Mamba2(nn.Module):
         xbc = causal_conv(xbc, self.conv1d.weight, resets, bias=self.conv1d.bias)
         xs, dt, B, C = self._scan_inputs(xbc, dt)
         A = -self.A_log.float().exp()
-        y, _ = chunk_ssd(xs, dt, A, B, C, self.D, resets, chunk_size=self.chunk_size)
+        y, _ = chunk_ssd(xs, dt, A, B, C, self.D, resets, chunk_size=self.chunk_size, intra=self.ssd)
         return self._output(y, z, x.dtype)
 
     def _cached(self, x: torch.Tensor, attn: object) -> torch.Tensor:
@@ -226,7 +254,9 @@ class Mamba2(nn.Module):
         if max_new == 1:
             y, ssm_state = recurrent_ssd(xs, dt, A, B, C, self.D, initial_state=ssm_state)
         else:
-            y, ssm_state = chunk_ssd(xs, dt, A, B, C, self.D, initial_state=ssm_state, chunk_size=self.chunk_size)
+            y, ssm_state = chunk_ssd(
+                xs, dt, A, B, C, self.D, initial_state=ssm_state, chunk_size=self.chunk_size, intra=self.ssd
+            )
         lengths = valid.sum(dim=1)
         keep = lengths[:, None] + torch.arange(taps - 1, device=x.device)  # the last K - 1 inputs of each sequence
         new_conv = history.gather(1, keep[..., None].expand(-1, -1, history.shape[-1])).transpose(1, 2)

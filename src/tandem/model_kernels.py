@@ -1,0 +1,54 @@
+"""Which Triton kernels the models run: the trainer's `speed.*_kernel` switches and the engine's prefill kernels
+become the models' `*_backend` runtime options, and the kernels are registered in the models' backend tables
+(`tandem.models` never imports a kernel)."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import ConfigError
+from tandem.kernels import triton_unavailable_reason
+from tandem.models.layers.gated_deltanet import SCAN_BACKENDS
+from tandem.models.layers.indexer import INDEX_BACKENDS
+from tandem.models.layers.mamba2 import SSD_BACKENDS
+from tandem.models.layers.mlp import SWIGLU_BACKENDS
+from tandem.models.layers.rope import ROPE_BACKENDS
+
+
+def kernel_options(
+    device: torch.device,
+    rope: str = "torch",
+    swiglu: str = "torch",
+    index: str = "torch",
+    delta_scan: str = "torch",
+    ssd: str = "torch",
+) -> dict[str, str]:
+    """The models' `rope_backend`, `swiglu_backend`, `index_backend`, `delta_scan_backend` and `ssd_backend`
+    runtime options from the `speed.*_kernel` switches; the Triton kernels, which models may not import, are
+    registered here. A ConfigError names the switches when Triton cannot run on `device`."""
+    kernels = {"rope": rope, "swiglu": swiglu, "index": index, "delta_scan": delta_scan, "ssd": ssd}
+    chosen = [f"speed.{name}_kernel" for name, kernel in kernels.items() if kernel == "triton"]
+    reason = triton_unavailable_reason(device.type) if chosen else None
+    if reason is not None:
+        raise ConfigError(f"{' and '.join(chosen)} = triton: {reason}")
+    if rope == "triton" and rope not in ROPE_BACKENDS:
+        from tandem.kernels.rope import apply_rope_triton
+
+        ROPE_BACKENDS[rope] = apply_rope_triton
+    if swiglu == "triton" and swiglu not in SWIGLU_BACKENDS:
+        from tandem.kernels.swiglu import swiglu as swiglu_triton
+
+        SWIGLU_BACKENDS[swiglu] = swiglu_triton
+    if index == "triton" and index not in INDEX_BACKENDS:
+        from tandem.kernels.indexer import index_scores_triton
+
+        INDEX_BACKENDS[index] = index_scores_triton
+    if delta_scan == "triton" and delta_scan not in SCAN_BACKENDS:
+        from tandem.kernels.delta_scan import delta_chunk_scan_triton
+
+        SCAN_BACKENDS[delta_scan] = delta_chunk_scan_triton
+    if ssd == "triton" and ssd not in SSD_BACKENDS:
+        from tandem.kernels.ssd import intra_chunk_ssd_triton
+
+        SSD_BACKENDS[ssd] = intra_chunk_ssd_triton
+    return {f"{name}_backend": kernel for name, kernel in kernels.items()}
