@@ -199,6 +199,62 @@ class Qwen3NextShape(Shape):
         }
 
 
+@dataclass(frozen=True, kw_only=True)
+class NemotronHShape(Shape):
+    """Nemotron-H (`NemotronHForCausalLM`): one mixer a layer by `pattern` (`M` Mamba-2, `*` RoPE-free GQA
+    attention, `-` a squared-ReLU MLP). `layers` must equal the pattern's length. Inference only (no torchtitan
+    spec)."""
+
+    pattern: str
+    kv_heads: int
+    head_dim: int
+    mamba_heads: int
+    mamba_head_dim: int
+    state_size: int
+    groups: int
+    conv_kernel: int = 4
+    chunk_size: int = 128
+
+    titan_spec: ClassVar[str] = ""
+
+    @property
+    def architecture(self) -> str:
+        return "NemotronHForCausalLM"
+
+    @property
+    def model_type(self) -> str:
+        return "nemotron_h"
+
+    def family_config(self) -> dict:
+        assert len(self.pattern) == self.layers, f"pattern {self.pattern!r} is not {self.layers} layers"
+        return {
+            "hybrid_override_pattern": self.pattern,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "mamba_num_heads": self.mamba_heads,
+            "mamba_head_dim": self.mamba_head_dim,
+            "ssm_state_size": self.state_size,
+            "n_groups": self.groups,
+            "conv_kernel": self.conv_kernel,
+            "chunk_size": self.chunk_size,
+        }
+
+
+# Nemotron-H-8B, one layer's widths: hidden 4096; Mamba-2 128 heads of 64, state 128, 8 groups; attention 32 query /
+# 8 KV heads of 128, no RoPE; MLP 21504 (squared ReLU); vocab 131072, untied.
+NEMOTRON_H = dict(
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=21504,
+    vocab=131072,
+    mamba_heads=128,
+    mamba_head_dim=64,
+    state_size=128,
+    groups=8,
+)
+
 # Qwen3-Next-80B-A3B, one layer's widths: hidden 2048; attention 16 query / 2 KV heads of 256 (a quarter rotated),
 # every 4th layer; Gated DeltaNet 16 key / 32 value heads of 128; 512 experts of 512, top-10, one shared of 512.
 QWEN3_NEXT = dict(

@@ -5,6 +5,7 @@ same device in the same run, and against the memory-bandwidth roofline.
     python benchmarks/inference.py --models moonlight-16b-a3b --batches 1 32   # GPU: DeepSeek-V3 architecture
     python benchmarks/inference.py --smoke    # CPU: a tiny model, to check the script works (~1 min)
     python benchmarks/inference.py --smoke --models tiny-dsv3   # CPU: a tiny DeepSeek-V3 (MLA, sigmoid MoE)
+    python benchmarks/inference.py --models qwen3-next-80b-a3b-4l nemotron-h-8b-8l   # GPU: the hybrids
 
 Models have random bf16 weights. Every request has a `--prompt-len` prompt and generates exactly
 `--gen-len` tokens (greedy, EOS ignored); a batch's prompts are prefilled in one engine step, so the batch
@@ -41,7 +42,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shapes import MOONLIGHT, QWEN3_NEXT, SHAPES, DeepSeekV3Shape, Qwen3NextShape, Qwen3Shape, Shape
+from bench_shapes import (
+    MOONLIGHT,
+    NEMOTRON_H,
+    QWEN3_NEXT,
+    SHAPES,
+    DeepSeekV3Shape,
+    NemotronHShape,
+    Qwen3NextShape,
+    Qwen3Shape,
+    Shape,
+)
 
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
@@ -58,6 +69,11 @@ TINY_NEXT = {
     "linear_key_dim": 64, "linear_value_dim": 64,
 }  # fmt: skip
 """Qwen3-Next's layout at tiny widths (--smoke)."""
+TINY_NEMOTRON_H = {
+    "hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "intermediate": 512, "vocab": 2048,
+    "mamba_heads": 8, "mamba_head_dim": 32, "state_size": 32, "groups": 2,
+}  # fmt: skip
+"""Nemotron-H's layout at tiny widths (--smoke)."""
 MODELS: dict[str, Shape] = {
     # Qwen3-0.6B and Qwen3-1.7B exactly (tied embeddings, 28 layers, 16 query / 8 KV heads of 128).
     "qwen3-0.6b": Qwen3Shape(
@@ -69,9 +85,12 @@ MODELS: dict[str, Shape] = {
     "moonlight-16b-a3b": DeepSeekV3Shape(layers=27, **MOONLIGHT),
     # Qwen3-Next-80B-A3B's layers, 4 of its 48 (3 Gated DeltaNet, 1 attention): 8.0B parameters, 16 GB in bf16.
     "qwen3-next-80b-a3b-4l": Qwen3NextShape(layers=4, **QWEN3_NEXT),
+    # Nemotron-H-8B's layers, 8 of its 52 in its own order (4 Mamba-2, 3 MLP, 1 attention): 2.1B parameters.
+    "nemotron-h-8b-8l": NemotronHShape(layers=8, pattern="M-M-M*-M", **NEMOTRON_H),
     "tiny": SHAPES["tiny"],
     "tiny-dsv3": SHAPES["tiny-dsv3"],
     "tiny-next": Qwen3NextShape(**{**QWEN3_NEXT, **TINY_NEXT}, layers=4),
+    "tiny-nemotron-h": NemotronHShape(**{**NEMOTRON_H, **TINY_NEMOTRON_H}, layers=4, pattern="M-M*"),
 }
 BLOCK_SIZE = 16
 
@@ -237,7 +256,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     if not args.no_hf:
         hf = transformers_model(shape, device)
         for batch in batches:
-            tok_s, ttft = run_transformers(hf, prompts[:batch].to(device), args.gen_len)
+            try:
+                tok_s, ttft = run_transformers(hf, prompts[:batch].to(device), args.gen_len)
+            except torch.OutOfMemoryError:  # its torch paths materialise more than tandem's (Nemotron-H's prefill)
+                rows.append(Row(name, batch, "transformers generate", None, None, "out of memory"))
+                print(f"  {name} batch {batch:>3} transformers: out of memory", flush=True)
+                torch.cuda.empty_cache()
+                continue
             rows.append(Row(name, batch, "transformers generate", tok_s, ttft * 1e3))
             print(f"  {name} batch {batch:>3} transformers: {tok_s:,.0f} tok/s, TTFT {ttft * 1e3:.1f} ms", flush=True)
         del hf

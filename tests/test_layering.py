@@ -3,8 +3,8 @@
 The rule: a package imports downward only, so each process's package can be read without opening the
 others. `models`, `kernels` and `config` import nothing else of tandem (`config`: the standard library,
 pydantic and its own models only). Root utility modules (`UTILITIES`) import only what their row names.
-`envs` and `transport` build on `config`. `trainer` and `inference` share `models` and `kernels` (and
-`transport` between them); `orchestrator` and `eval` share `envs` and the root `client`. Only `cli` and the
+`envs` and `transport` build on `config`. `trainer` and `inference` share `models` and `kernels`, and
+`model_kernels`, which picks the kernels the models run (and `transport` between them); `orchestrator` and `eval` share `envs` and the root `client`. Only `cli` and the
 launcher modules it owns (`launch`, `shared_gpu`, `view`) know every package.
 
 No two units import each other, directly or through others. Units are the top-level packages and root
@@ -44,11 +44,12 @@ ALLOWED: dict[str, tuple[str, ...] | str] = {
     "run": ("config", "files"),
     "client": ("config", "wire"),
     # what the processes build on
+    "model_kernels": ("models", "kernels", "config"),  # the Triton kernels the models run, chosen and registered
     "envs": ("config",),
     "transport": ("config", *UTILITIES),
     # the processes
-    "trainer": ("models", "kernels", "config", "transport", *UTILITIES),
-    "inference": ("models", "kernels", "config", "transport", *UTILITIES),
+    "trainer": ("models", "kernels", "model_kernels", "config", "transport", *UTILITIES),
+    "inference": ("models", "kernels", "model_kernels", "config", "transport", *UTILITIES),
     "orchestrator": ("envs", "client", "config", "transport", *UTILITIES),
     "eval": ("envs", "client", "config", *UTILITIES),
     "dashboard": ("config", *UTILITIES),

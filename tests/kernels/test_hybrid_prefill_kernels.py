@@ -37,7 +37,9 @@ def test_triton_prefill_gives_transformers_greedy_tokens_and_the_trainers_logpro
     """Greedy tokens equal transformers'; sampled tokens' logprobs equal the trainer's torch-path scoring (mismatch
     KL < 1e-6): the first token of each sample is drawn from the prefill's last logits."""
     path = write_servable_hybrid(tmp_path, {"qwen3_next": QWEN3_NEXT, "nemotron_h_moe": NEMOTRON_H_MOE}[family])
-    config = engine_config(path, device=DEVICE, prefill_kernels="triton", max_prefill_tokens=16, cuda_graphs=False)
+    config = engine_config(
+        path, device=DEVICE, prefill_kernels="triton", max_prefill_tokens=16, cuda_graphs=False, kv_cache_blocks=64
+    )
     model = load_served_model(config, path, torch.device(DEVICE), lora=None)
     mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet | Mamba2)]
     assert mixers and all(getattr(m, "scan", None) == "triton" or getattr(m, "ssd", None) == "triton" for m in mixers)
@@ -64,7 +66,7 @@ def test_triton_prefill_gives_transformers_greedy_tokens_and_the_trainers_logpro
 
 
 def test_triton_prefill_without_a_gpu_is_a_config_error(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     path = write_servable_hybrid(tmp_path)
     config = engine_config(path, device="cpu", prefill_kernels="triton")
     with pytest.raises(ConfigError, match=r"inference.prefill_kernels = triton: Triton kernels need CUDA"):

@@ -16,9 +16,10 @@ backward program owns a chunk and a group and loops over the group's heads, reus
     dxdt = M^T dy            dM = dy xdt^T            dS += dM * D
     dcum = rowsum(dM * M) - colsum(dM * M)            dC = dS B,   dB = dS^T C
 
-All math is fp32 with fp32 (not tf32) products, like the torch path; the differences of `cum` are what
-mamba_ssm's kernels use too (the torch path's stable segment sums cost an `[L, L]` cumsum). Dims are padded to
-powers of two (at least 16) with masked loads; L must be a power of two.
+All math is fp32, the products `PRECISION` as in `tandem.kernels.delta_scan` ("tf32x3": three tf32 tensor-core
+products, within about 1e-6 of fp32 ones, where fp32 FMAs make the backward several times slower). The decays are
+differences of `cum`, as in mamba_ssm's kernels (the torch path's stable segment sums cost an `[L, L]` cumsum).
+Dims are padded to powers of two (at least 16) with masked loads; L must be a power of two.
 """
 
 from __future__ import annotations
@@ -43,29 +44,32 @@ def _decays(cum_ptr, seg_ptr, cum_base, seg_base, rows, HAS_SEG: tl.constexpr):
 def _intra_forward(
     c_ptr, b_ptr, x_ptr, cum_ptr, seg_ptr, y_ptr,
     chunks, seq, heads, groups, n, p,
-    L: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_SEG: tl.constexpr,
+    L: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    bc, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    bc, g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     batch, chunk = bc // chunks, bc % chunks
-    g = h // (heads // groups)
     rows, ns, ps = tl.arange(0, L), tl.arange(0, BN), tl.arange(0, BP)
     tokens = batch * seq + chunk * L + rows  # rows of this chunk in the flattened [batch * seq] tokens
     group_rows = (tokens[:, None] * groups + g) * n + ns[None, :]
     c = tl.load(c_ptr + group_rows, mask=ns[None, :] < n, other=0.0)
     b = tl.load(b_ptr + group_rows, mask=ns[None, :] < n, other=0.0)
-    scores = tl.dot(c, tl.trans(b), input_precision="ieee")
-    decays = _decays(cum_ptr, seg_ptr, (batch * heads + h) * seq + chunk * L, batch * seq + chunk * L, rows, HAS_SEG)
-    head_rows = (tokens[:, None] * heads + h) * p + ps[None, :]
-    x = tl.load(x_ptr + head_rows, mask=ps[None, :] < p, other=0.0)
-    y = tl.dot(scores * decays, x, input_precision="ieee")
-    tl.store(y_ptr + head_rows, y, mask=ps[None, :] < p)
+    scores = tl.dot(c, tl.trans(b), input_precision=PRECISION)
+    per_group = heads // groups
+    for j in range(per_group):
+        h = g * per_group + j
+        cum_base = (batch * heads + h) * seq + chunk * L
+        decays = _decays(cum_ptr, seg_ptr, cum_base, batch * seq + chunk * L, rows, HAS_SEG)
+        head_rows = (tokens[:, None] * heads + h) * p + ps[None, :]
+        x = tl.load(x_ptr + head_rows, mask=ps[None, :] < p, other=0.0)
+        y = tl.dot(scores * decays, x, input_precision=PRECISION)
+        tl.store(y_ptr + head_rows, y, mask=ps[None, :] < p)
 
 
 @triton.jit
 def _intra_backward(
     c_ptr, b_ptr, x_ptr, cum_ptr, seg_ptr, dy_ptr, dc_ptr, db_ptr, dx_ptr, dcum_ptr,
     chunks, seq, heads, groups, n, p,
-    L: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_SEG: tl.constexpr,
+    L: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bc, g = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     batch, chunk = bc // chunks, bc % chunks
@@ -74,7 +78,7 @@ def _intra_backward(
     group_rows = (tokens[:, None] * groups + g) * n + ns[None, :]
     c = tl.load(c_ptr + group_rows, mask=ns[None, :] < n, other=0.0)
     b = tl.load(b_ptr + group_rows, mask=ns[None, :] < n, other=0.0)
-    scores = tl.dot(c, tl.trans(b), input_precision="ieee")
+    scores = tl.dot(c, tl.trans(b), input_precision=PRECISION)
     dscores = tl.zeros((L, L), dtype=tl.float32)
     per_group = heads // groups
     for j in range(per_group):
@@ -85,13 +89,17 @@ def _intra_backward(
         head_rows = (tokens[:, None] * heads + h) * p + ps[None, :]
         x = tl.load(x_ptr + head_rows, mask=ps[None, :] < p, other=0.0)
         dy = tl.load(dy_ptr + head_rows, mask=ps[None, :] < p, other=0.0)
-        tl.store(dx_ptr + head_rows, tl.dot(tl.trans(mixed), dy, input_precision="ieee"), mask=ps[None, :] < p)
-        dmixed = tl.dot(dy, tl.trans(x), input_precision="ieee")
+        tl.store(dx_ptr + head_rows, tl.dot(tl.trans(mixed), dy, input_precision=PRECISION), mask=ps[None, :] < p)
+        dmixed = tl.dot(dy, tl.trans(x), input_precision=PRECISION)
         dscores += dmixed * decays
         through = dmixed * mixed
         tl.store(dcum_ptr + cum_base + rows, tl.sum(through, axis=1) - tl.sum(through, axis=0))
-    tl.store(dc_ptr + group_rows, tl.dot(dscores, b, input_precision="ieee"), mask=ns[None, :] < n)
-    tl.store(db_ptr + group_rows, tl.dot(tl.trans(dscores), c, input_precision="ieee"), mask=ns[None, :] < n)
+    tl.store(dc_ptr + group_rows, tl.dot(dscores, b, input_precision=PRECISION), mask=ns[None, :] < n)
+    tl.store(db_ptr + group_rows, tl.dot(tl.trans(dscores), c, input_precision=PRECISION), mask=ns[None, :] < n)
+
+
+PRECISION = "tf32x3"
+"""The products' precision: "tf32x3" (three tf32 tensor-core products, fp32-close) or "ieee" (fp32 FMAs)."""
 
 
 def _blocks(n: int, p: int) -> tuple[int, int]:
@@ -104,7 +112,12 @@ def _segments(seg: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def intra_forward(
-    C: torch.Tensor, B: torch.Tensor, xdt: torch.Tensor, cum: torch.Tensor, seg: torch.Tensor | None
+    C: torch.Tensor,
+    B: torch.Tensor,
+    xdt: torch.Tensor,
+    cum: torch.Tensor,
+    seg: torch.Tensor | None,
+    precision: str = PRECISION,
 ) -> torch.Tensor:
     """y `[b, c, l, h, p]` from C, B `[b, c, l, g, n]`, xdt `[b, c, l, h, p]`, cum `[b, h, c, l]` (contiguous
     fp32) and seg `[b, 1, c, l]` (segment ids within each chunk, or None)."""
@@ -112,9 +125,9 @@ def intra_forward(
     groups, n = C.shape[3:]
     bn, bp = _blocks(n, p)
     y = torch.empty_like(xdt)
-    _intra_forward[(batch * chunks, heads)](
+    _intra_forward[(batch * chunks, groups)](
         C, B, xdt, cum, _segments(seg, cum), y, chunks, chunks * size, heads, groups, n, p,
-        L=size, BN=bn, BP=bp, HAS_SEG=seg is not None, num_warps=4, num_stages=1,
+        L=size, BN=bn, BP=bp, HAS_SEG=seg is not None, PRECISION=precision, num_warps=4, num_stages=1,
     )  # fmt: skip
     return y
 
@@ -126,6 +139,7 @@ def intra_backward(
     cum: torch.Tensor,
     seg: torch.Tensor | None,
     dy: torch.Tensor,
+    precision: str = PRECISION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of (C, B, xdt, cum) from `intra_forward`'s inputs and dy."""
     batch, chunks, size, heads, p = xdt.shape
@@ -135,7 +149,7 @@ def intra_backward(
     _intra_backward[(batch * chunks, groups)](
         C, B, xdt, cum, _segments(seg, cum), dy.contiguous(), dC, dB, dx, dcum,
         chunks, chunks * size, heads, groups, n, p,
-        L=size, BN=bn, BP=bp, HAS_SEG=seg is not None, num_warps=8, num_stages=1,
+        L=size, BN=bn, BP=bp, HAS_SEG=seg is not None, PRECISION=precision, num_warps=8, num_stages=1,
     )  # fmt: skip
     return dC, dB, dx, dcum
 

@@ -138,11 +138,13 @@ def chunk_ssd(
         carry = (seg == 0).float()
         last_segment = (seg == seg[..., -1:]).float()
     y_diag = SSD_BACKENDS[intra](C, B, xdt, a, seg)
-    B, C = B.repeat_interleave(heads // B.shape[3], dim=3), C.repeat_interleave(heads // C.shape[3], dim=3)
+    groups = B.shape[3]
     decay_out = (cum[..., -1:] - cum).exp()
     if last_segment is not None:
         decay_out = decay_out * last_segment
-    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_out, xdt)
+    # Heads as (group, head in group), so B and C are never copied per head: [b, c, l, g, j, p] by [b, c, l, g, n].
+    decayed = (xdt * decay_out.permute(0, 2, 3, 1)[..., None]).unflatten(3, (groups, -1))
+    chunk_states = torch.einsum("bclgjp,bclgn->bcgjpn", decayed, B).flatten(2, 3)  # [b, c, h, p, n]
     decay_in = cum.exp() if carry is None else cum.exp() * carry  # [b, h, c, l]
     # The state entering chunk i: the initial state and every earlier chunk's own state, each decayed through the
     # chunks between (`transfer`, the segment sums over chunks, as within a chunk); a chunk holding a segment start
@@ -153,7 +155,8 @@ def chunk_ssd(
         transfer = transfer.masked_fill(crossed > 0, float("-inf"))
     state = x.new_zeros(batch, heads, dim, B.shape[-1]) if initial_state is None else initial_state.float()
     entering = torch.einsum("bhzc,bchpn->bzhpn", transfer.exp(), torch.cat([state[:, None], chunk_states], dim=1))
-    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering[:, :-1], decay_in)
+    y_off = torch.einsum("bclgn,bcgjpn->bclgjp", C, entering[:, :-1].unflatten(2, (groups, -1))).flatten(3, 4)
+    y_off = y_off * decay_in.permute(0, 2, 3, 1)[..., None]
     y = (y_diag + y_off).flatten(1, 2)[:, :seq]
     return y + skip, entering[:, -1]
 
