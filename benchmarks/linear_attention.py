@@ -13,8 +13,8 @@ transformers runs its plain-torch path (`torch_chunk_gated_delta_rule`, Mamba-2'
 paths need flash-linear-attention, causal-conv1d or mamba_ssm, none of which is a tandem dependency. The
 recurrent reference (token by token, the decode step's form) runs at the smallest length only. tandem also runs
 a packed row of the same length, 8 documents, state reset at each start (transformers cannot keep them apart),
-and on a GPU the Triton kernels: Gated DeltaNet's pass over chunks (`speed.delta_scan_kernel = triton`) instead of
-the Python loop, Mamba-2's within-chunk part (`speed.ssd_kernel = triton`) instead of the einsums.
+and on a GPU the Triton kernels: Gated DeltaNet's pass over chunks (`speed.delta_scan_kernel`, triton) instead of
+the Python loop, Mamba-2's within-chunk part (`speed.ssd_kernel`, triton) instead of the einsums.
 
 Columns: tokens/s and the ratio to transformers at the same length, the peak GPU memory of the step; the max abs
 difference of the forward against transformers' (bf16 weights, fp32 scan) says they computed the same thing.

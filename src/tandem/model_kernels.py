@@ -15,6 +15,13 @@ from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
 
 
+def resolve(kernel: str, device: torch.device) -> str:
+    """A kernel switch's choice: "auto" is "triton" on CUDA with Triton installed, else "torch"."""
+    if kernel != "auto":
+        return kernel
+    return "triton" if device.type == "cuda" and triton_unavailable_reason("cuda") is None else "torch"
+
+
 def kernel_options(
     device: torch.device,
     rope: str = "torch",
@@ -25,8 +32,11 @@ def kernel_options(
 ) -> dict[str, str]:
     """The models' `rope_backend`, `swiglu_backend`, `index_backend`, `delta_scan_backend` and `ssd_backend`
     runtime options from the `speed.*_kernel` switches; the Triton kernels, which models may not import, are
-    registered here. A ConfigError names the switches when Triton cannot run on `device`."""
+    registered here. A switch may say "auto" (`resolve`). A ConfigError names the switches when Triton cannot run
+    on `device`."""
     kernels = {"rope": rope, "swiglu": swiglu, "index": index, "delta_scan": delta_scan, "ssd": ssd}
+    kernels = {name: resolve(kernel, device) for name, kernel in kernels.items()}
+    rope, swiglu, index, delta_scan, ssd = kernels.values()
     chosen = [f"speed.{name}_kernel" for name, kernel in kernels.items() if kernel == "triton"]
     reason = triton_unavailable_reason(device.type) if chosen else None
     if reason is not None:

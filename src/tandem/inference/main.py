@@ -28,7 +28,7 @@ from tandem.inference.server import InferenceServer
 from tandem.inference.serving_log import ServingSummary
 from tandem.inference.startup import Terminated, announce, check_context, stop_on_sigterm
 from tandem.kernels import triton_unavailable_reason
-from tandem.model_kernels import kernel_options
+from tandem.model_kernels import kernel_options, resolve
 from tandem.models import CausalLM, build_model, load_model
 from tandem.models.lora import (
     LoraArgs,
@@ -159,9 +159,7 @@ def served_names(config: InferenceConfig, model_dir: Path) -> tuple[str, str | N
 
 def prefill_kernels(config: InferenceConfig, device: torch.device) -> dict[str, str]:
     """The hybrid layers' kernel options (`delta_scan_backend`, `ssd_backend`) for `inference.prefill_kernels`."""
-    choice = config.prefill_kernels
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" and triton_unavailable_reason("cuda") is None else "torch"
+    choice = resolve(config.prefill_kernels, device)
     if choice == "triton" and (reason := triton_unavailable_reason(device.type)) is not None:
         raise ConfigError(f"inference.prefill_kernels = triton: {reason}")
     kernels = kernel_options(device, delta_scan=choice, ssd=choice)
