@@ -25,8 +25,10 @@ Engine variants: the module-by-module decode step (`torch`) eager and under CUDA
 bucket), the Triton decode kernels (`triton`, the default on CUDA) under CUDA graphs, with and without
 overlapped steps (`overlap_steps`: a step launched before the host reads the last one's tokens), and with
 `--compile` the module step compiled (dynamic shapes) under CUDA graphs. The Triton step does not run
-multi-head latent attention (DeepSeek-V3), so MLA models get the module step's variants only. The table comes
-last.
+multi-head latent attention (DeepSeek-V3) or hybrids, so these get the module step's variants only. Hybrids
+(Qwen3-Next, Nemotron-H) run their recurrent layers on the Triton kernels, as `inference.recurrent_kernels =
+auto` does on CUDA, and once more on torch ops under CUDA graphs (`torch recurrent layers`), the baseline of
+those kernels. The table comes last.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.kv_budget import state_bytes
 from tandem.inference.outputs import RequestUpdate
 from tandem.inference.protocol import SamplingParams
+from tandem.model_kernels import kernel_options
 from tandem.models import build_model
 from tandem.models.layers.moe import Experts
 
@@ -206,11 +209,18 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     generator = torch.Generator().manual_seed(0)
     batches = args.batches
     prompts = torch.randint(0, shape.vocab, (max(batches), args.prompt_len), generator=generator)
-    model = build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0)
+
+    def built(recurrent: str = "auto") -> torch.nn.Module:  # the hybrids' layers as `inference.recurrent_kernels`
+        kernels = kernel_options(device, delta_scan=recurrent, ssd=recurrent)
+        recurrent_options = {name: kernels[name] for name in ("delta_scan_backend", "ssd_backend")}
+        return build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0, **recurrent_options)
+
+    model = built()
     context = args.prompt_len + args.gen_len
     torch_step, triton_step = {"decode_kernels": "torch"}, {"decode_kernels": "triton", "cuda_graphs": True}
     variants = [("torch eager", {**torch_step, "cuda_graphs": False})]
     no_triton = fused_decode_supported(model)
+    hybrid = model.args.linear is not None or model.args.mamba is not None
     if device.type == "cuda":
         variants += [("torch cuda graphs", {**torch_step, "cuda_graphs": True})]
         if no_triton is None:
@@ -219,7 +229,14 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
         else:
             print(f"  {name}: no Triton decode variants ({no_triton})", flush=True)
         variants += [("torch cuda graphs + compile", {**torch_step, "compile": True})] if args.compile else []
+        variants += (
+            [("torch cuda graphs, torch recurrent layers", {**torch_step, "recurrent": "torch"})] if hybrid else []
+        )
     for label, overrides in variants:
+        if "recurrent" in overrides:  # the same weights (same seed), the recurrent layers on torch ops
+            del model
+            torch.cuda.empty_cache()
+            model = built(overrides.pop("recurrent"))
         graphs = overrides.get("cuda_graphs", True)
         config = InferenceConfig(
             seq_len=context,

@@ -8,9 +8,9 @@ import torch
 
 from tandem.config import ConfigError
 from tandem.kernels import triton_unavailable_reason
-from tandem.models.layers.gated_deltanet import SCAN_BACKENDS
+from tandem.models.layers.gated_deltanet import SCAN_BACKENDS, STEP_BACKENDS
 from tandem.models.layers.indexer import INDEX_BACKENDS
-from tandem.models.layers.mamba2 import SSD_BACKENDS
+from tandem.models.layers.mamba2 import SSD_BACKENDS, SSD_STEP_BACKENDS
 from tandem.models.layers.mlp import SWIGLU_BACKENDS
 from tandem.models.layers.rope import ROPE_BACKENDS
 
@@ -54,11 +54,11 @@ def kernel_options(
 
         INDEX_BACKENDS[index] = index_scores_triton
     if delta_scan == "triton" and delta_scan not in SCAN_BACKENDS:
-        from tandem.kernels.delta_scan import delta_chunk_scan_triton
+        from tandem.kernels.delta_scan import delta_chunk_scan_triton, gated_delta_step_triton
 
-        SCAN_BACKENDS[delta_scan] = delta_chunk_scan_triton
+        SCAN_BACKENDS[delta_scan], STEP_BACKENDS[delta_scan] = delta_chunk_scan_triton, gated_delta_step_triton
     if ssd == "triton" and ssd not in SSD_BACKENDS:
-        from tandem.kernels.ssd import intra_chunk_ssd_triton
+        from tandem.kernels.ssd import intra_chunk_ssd_triton, ssd_step_triton
 
-        SSD_BACKENDS[ssd] = intra_chunk_ssd_triton
+        SSD_BACKENDS[ssd], SSD_STEP_BACKENDS[ssd] = intra_chunk_ssd_triton, ssd_step_triton
     return {f"{name}_backend": kernel for name, kernel in kernels.items()}

@@ -31,6 +31,7 @@ POINTER_TYPES = {
     torch.int64: "*i64",
     torch.int32: "*i32",
     torch.int8: "*i8",
+    torch.uint8: "*u8",
 }
 
 
@@ -151,6 +152,16 @@ def _launches() -> Iterator[Launch]:
     cum, seg = torch.zeros(batch, heads, chunks, size), torch.zeros(batch, 1, chunks, size, dtype=torch.int64)
     yield "ssd intra-chunk forward", ssd.intra_forward, (C, C, xdt, cum, seg), {}
     yield "ssd intra-chunk backward", ssd.intra_backward, (C, C, xdt, cum, seg, xdt), {}
+    # The decode steps on a state cache of 9 slots, 8 sequences, bf16 inputs, fp32 states: Qwen3-Next's and
+    # Nemotron-H-8B's widths
+    rows, slots, fresh = 8, torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.bool)
+    qk, v = torch.zeros(rows, 16, 128, dtype=torch.bfloat16), torch.zeros(rows, 32, 128, dtype=torch.bfloat16)
+    gates = (torch.zeros(rows, 32), torch.zeros(rows, 32, dtype=torch.bfloat16))
+    step = (qk, qk, v, *gates, torch.zeros(9, 32, 128, 128), slots, fresh)
+    yield "gated delta decode step", delta_scan.gated_delta_step_triton, step, {}
+    x, dt, bc = torch.zeros(rows, heads, 64), torch.zeros(rows, heads), torch.zeros(rows, groups, 128)
+    step = (x, dt, dt[0], bc, bc, dt[0], torch.zeros(9, heads, 64, 128), slots, fresh)
+    yield "ssd decode step", ssd.ssd_step_triton, step, {}
 
 
 def main() -> None:

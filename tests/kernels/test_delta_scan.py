@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the Triton scan needs the triton package (CPU wheels of torch lack it)")
 
 from support.hybrid_parity import scan_resets
-from tandem.kernels.delta_scan import delta_chunk_scan_triton
-from tandem.models.layers.gated_deltanet import SCAN_BACKENDS, chunk_gated_delta_rule, delta_chunk_scan
+from tandem.kernels.delta_scan import delta_chunk_scan_triton, gated_delta_step_triton
+from tandem.models.layers.gated_deltanet import SCAN_BACKENDS, STEP_BACKENDS, chunk_gated_delta_rule, delta_chunk_scan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,3 +85,29 @@ def test_the_chunked_rule_with_the_kernel_matches_the_loop_on_packed_documents()
     for name, got, want in zip("q k v g beta".split(), runs[1][2], runs[0][2], strict=True):
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, atol=1e-4 * scale, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_step_kernel_matches_the_torch_step_in_place(dtype):
+    """One token for three sequences in slots 4, 0 and 2 of a five-slot cache, the middle one fresh (its slot's stale
+    state ignored), q/k/v in the model's dtype: outputs and every slot after the step; slots 1 and 3 untouched."""
+    STEP_BACKENDS.setdefault("triton", gated_delta_step_triton)
+    g = torch.Generator().manual_seed(4)
+    n, hk, hv, dk, dv = 3, 2, 4, 12, 20
+    q, k = (torch.randn(n, hk, dk, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(n, hv, dv, generator=g).to(dtype)
+    gate, beta = -torch.rand(n, hv, generator=g), torch.rand(n, hv, generator=g).to(dtype)
+    states = torch.randn(5, hv, dk, dv, generator=g)
+    slots = torch.tensor([[4, 9], [0, 9], [2, 9]], device=DEVICE)[:, 0]  # strided, as in the engine's step inputs
+    fresh = torch.tensor([False, True, False])
+    runs = []
+    for name in ("torch", "triton"):
+        cache = states.clone().to(DEVICE)
+        inputs = (t.to(DEVICE) for t in (q, k, v, gate, beta))
+        runs.append((STEP_BACKENDS[name](*inputs, cache, slots, fresh.to(DEVICE)), cache))
+    (out, cache), (want, want_cache) = runs[1], runs[0]
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(out, want, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache[[1, 3]].cpu(), states[[1, 3]])

@@ -18,8 +18,8 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 import torch.nn.functional as F
 
 from support.hybrid_parity import assert_chunked_equals_recurrent, scan_resets
-from tandem.kernels.ssd import intra_chunk_ssd_triton
-from tandem.models.layers.mamba2 import SSD_BACKENDS, chunk_ssd, intra_chunk_ssd, recurrent_ssd
+from tandem.kernels.ssd import intra_chunk_ssd_triton, ssd_step_triton
+from tandem.models.layers.mamba2 import SSD_BACKENDS, SSD_STEP_BACKENDS, chunk_ssd, intra_chunk_ssd, recurrent_ssd
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,3 +79,28 @@ def test_the_chunked_scan_with_the_kernels_equals_the_recurrent_reference():
 
     inputs, state = [t.to(DEVICE) for t in inputs], state.to(DEVICE)
     assert_chunked_equals_recurrent(on_device(chunked), on_device(recurrent_ssd), inputs, state, chunk_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_step_kernel_matches_the_torch_step_in_place(dtype):
+    """One token for three sequences in slots 4, 0 and 2 of a five-slot cache, the middle one fresh (its slot's stale
+    state ignored), x/B/C in the model's dtype: outputs and every slot after the step; slots 1 and 3 untouched."""
+    SSD_STEP_BACKENDS.setdefault("triton", ssd_step_triton)
+    g = torch.Generator().manual_seed(5)
+    n, heads, p, groups, size = 3, 6, 40, 2, 10  # three heads a group, two blocks of head dims
+    x = torch.randn(n, heads, p, generator=g).to(dtype)
+    dt, A = torch.rand(n, heads, generator=g), -torch.rand(heads, generator=g) * 3
+    B, C = (torch.randn(n, groups, size, generator=g).to(dtype) for _ in range(2))
+    D = torch.randn(heads, generator=g)
+    states = torch.randn(5, heads, p, size, generator=g)
+    slots = torch.tensor([[4, 9], [0, 9], [2, 9]], device=DEVICE)[:, 0]  # strided, as in the engine's step inputs
+    fresh = torch.tensor([False, True, False])
+    runs = []
+    for name in ("torch", "triton"):
+        cache = states.clone().to(DEVICE)
+        inputs = (t.to(DEVICE) for t in (x, dt, A, B, C, D))
+        runs.append((SSD_STEP_BACKENDS[name](*inputs, cache, slots, fresh.to(DEVICE)), cache))
+    (y, cache), (want, want_cache) = runs[1], runs[0]
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache[[1, 3]].cpu(), states[[1, 3]])

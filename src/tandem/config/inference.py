@@ -61,8 +61,8 @@ class InferenceConfig(RunConfig):
     """Batch-size buckets decode steps are padded to for CUDA graphs; larger steps run eagerly."""
     decode_kernels: Literal["auto", "torch", "triton"] = "auto"
     """Decode step: triton (~10 kernels a layer, K/V read in place, one-kernel sampling), torch (module by module), auto (triton on CUDA)."""
-    prefill_kernels: Literal["auto", "torch", "triton"] = "auto"
-    """Hybrid models' prefill chunks: Gated DeltaNet's pass over chunks and Mamba-2's within-chunk part as the trainer's Triton kernels (triton; fp32 like torch, and Mamba-2 keeps its [chunk, chunk] scores in registers) or torch ops (torch); auto: triton on CUDA. Other models ignore it."""
+    recurrent_kernels: Literal["auto", "torch", "triton"] = "auto"
+    """Hybrid models' recurrent layers (Gated DeltaNet, Mamba-2) on Triton kernels (triton): prefill chunks on the trainer's chunked kernels, decode steps on one kernel a layer that advances each state in its cache slot; or torch ops (torch); auto: triton on CUDA. Other models ignore it."""
     overlap_steps: bool = True
     """Launch a decode step before the host reads the previous one's tokens (greedy/whole-vocabulary sampling)."""
     compile: bool = False

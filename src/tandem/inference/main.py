@@ -157,11 +157,12 @@ def served_names(config: InferenceConfig, model_dir: Path) -> tuple[str, str | N
     return adapter, base
 
 
-def prefill_kernels(config: InferenceConfig, device: torch.device) -> dict[str, str]:
-    """The hybrid layers' kernel options (`delta_scan_backend`, `ssd_backend`) for `inference.prefill_kernels`."""
-    choice = resolve(config.prefill_kernels, device)
+def recurrent_kernels(config: InferenceConfig, device: torch.device) -> dict[str, str]:
+    """The hybrid layers' kernel options (`delta_scan_backend`, `ssd_backend`: chunked prefill and the decode step)
+    for `inference.recurrent_kernels`."""
+    choice = resolve(config.recurrent_kernels, device)
     if choice == "triton" and (reason := triton_unavailable_reason(device.type)) is not None:
-        raise ConfigError(f"inference.prefill_kernels = triton: {reason}")
+        raise ConfigError(f"inference.recurrent_kernels = triton: {reason}")
     kernels = kernel_options(device, delta_scan=choice, ssd=choice)
     return {name: kernels[name] for name in ("delta_scan_backend", "ssd_backend")}
 
@@ -179,7 +180,7 @@ def load_served_model(
         attn_backend=config.model.attn_backend,
         moe_backend=config.model.moe_backend,
         freeze_router=config.model.freeze_router,
-        **prefill_kernels(config, device),
+        **recurrent_kernels(config, device),
     )
     if lora is None:
         return model

@@ -200,3 +200,58 @@ def delta_chunk_scan_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`tandem.models.layers.gated_deltanet.delta_chunk_scan` as two Triton kernels (same arguments, fp32)."""
     return _DeltaChunkScan.apply(u, w, q, a, k, decay, initial_state)
+
+
+@triton.jit
+def _delta_step(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, fresh_ptr, out_ptr,
+    v_heads, k_heads, dk, dv, scale, eps,
+    BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    n, h, vb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    kh = h // (v_heads // k_heads)
+    ks, vs = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    k_mask, v_mask = ks < dk, vs < dv
+    k = tl.load(k_ptr + (n * k_heads + kh) * dk + ks, mask=k_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (n * k_heads + kh) * dk + ks, mask=k_mask, other=0.0).to(tl.float32)
+    k = k * tl.rsqrt(tl.sum(k * k) + eps)
+    q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
+    v = tl.load(v_ptr + (n * v_heads + h) * dv + vs, mask=v_mask, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + n * v_heads + h).to(tl.float32))
+    beta = tl.load(beta_ptr + n * v_heads + h).to(tl.float32)
+    slot = tl.load(slots_ptr + n)
+    offsets = (slot * v_heads + h) * dk * dv + ks[:, None] * dv + vs[None, :]
+    mask = k_mask[:, None] & v_mask[None, :]
+    state = tl.load(states_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    state = tl.where(tl.load(fresh_ptr + n) != 0, 0.0, state) * decay
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state = state + k[:, None] * delta[None, :]
+    tl.store(states_ptr + offsets, state.to(states_ptr.dtype.element_ty), mask=mask)
+    out = tl.sum(state * q[:, None], axis=0)
+    tl.store(out_ptr + (n * v_heads + h) * dv + vs, out.to(out_ptr.dtype.element_ty), mask=v_mask)
+
+
+def gated_delta_step_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+) -> torch.Tensor:
+    """`tandem.models.layers.gated_deltanet.gated_delta_step` as one kernel: one program per (sequence, value head,
+    value block) normalises its q and k, reads its slice of the slot's state once, advances it by the token, writes it
+    back in place and stores the output (the torch step reads and writes the whole state about a dozen times)."""
+    batch, k_heads, dk = k.shape
+    v_heads, dv = v.shape[1:]
+    bk, bv = max(16, triton.next_power_of_2(dk)), max(16, min(64, triton.next_power_of_2(dv)))
+    out = torch.empty_like(v)
+    q, k, v, g, beta, slots = (t.contiguous() for t in (q, k, v, g, beta, slots))  # slots: an inputs column
+    _delta_step[(batch, v_heads, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, states, slots, fresh.contiguous().view(torch.uint8), out,
+        v_heads, k_heads, dk, dv, dk**-0.5, 1e-6,
+        BK=bk, BV=bv, num_warps=4,
+    )  # fmt: skip
+    return out

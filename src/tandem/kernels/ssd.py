@@ -172,3 +172,53 @@ def intra_chunk_ssd_triton(
 ) -> torch.Tensor:
     """`tandem.models.layers.mamba2.intra_chunk_ssd` as two Triton kernels (same arguments, fp32)."""
     return _IntraChunk.apply(C, B, xdt, a.cumsum(dim=-1), seg)
+
+
+@triton.jit
+def _ssd_step(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, states_ptr, slots_ptr, fresh_ptr, y_ptr,
+    heads, groups, p, n,
+    BP: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    i, h, pb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    g = h // (heads // groups)
+    ps, ns = pb * BP + tl.arange(0, BP), tl.arange(0, BN)
+    p_mask, n_mask = ps < p, ns < n
+    x = tl.load(x_ptr + (i * heads + h) * p + ps, mask=p_mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + (i * groups + g) * n + ns, mask=n_mask, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + (i * groups + g) * n + ns, mask=n_mask, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + i * heads + h).to(tl.float32)
+    decay = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
+    slot = tl.load(slots_ptr + i)
+    offsets = (slot * heads + h) * p * n + ps[:, None] * n + ns[None, :]
+    mask = p_mask[:, None] & n_mask[None, :]
+    state = tl.load(states_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    state = tl.where(tl.load(fresh_ptr + i) != 0, 0.0, state) * decay + (dt * x)[:, None] * b[None, :]
+    tl.store(states_ptr + offsets, state.to(states_ptr.dtype.element_ty), mask=mask)
+    y = tl.sum(state * c[None, :], axis=1) + tl.load(d_ptr + h).to(tl.float32) * x
+    tl.store(y_ptr + (i * heads + h) * p + ps, y, mask=p_mask)
+
+
+def ssd_step_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+) -> torch.Tensor:
+    """`tandem.models.layers.mamba2.ssd_step` as one kernel: one program per (sequence, head, block of head dims)
+    reads its slice of the slot's state once, advances it by the token, writes it back in place and stores y (fp32)."""
+    batch, heads, p = x.shape
+    groups, n = B.shape[1:]
+    bp, bn = max(16, min(32, triton.next_power_of_2(p))), max(16, triton.next_power_of_2(n))
+    y = torch.empty(batch, heads, p, dtype=torch.float32, device=x.device)
+    x, dt, A, B, C, D, slots = (t.contiguous() for t in (x, dt, A, B, C, D, slots))  # slots: an inputs column
+    _ssd_step[(batch, heads, triton.cdiv(p, bp))](
+        x, dt, A, B, C, D, states, slots, fresh.contiguous().view(torch.uint8), y,
+        heads, groups, p, n, BP=bp, BN=bn, num_warps=4,
+    )  # fmt: skip
+    return y

@@ -171,6 +171,31 @@ SCAN_BACKENDS: dict[str, ScanFn] = {"torch": delta_chunk_scan}
 (`tandem.kernels.delta_scan.delta_chunk_scan_triton`; this package imports no kernel)."""
 
 
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+) -> torch.Tensor:
+    """One token per sequence on the state cache, in place: q, k `[N, Hk, dk]`, v `[N, Hv, dv]`, g, beta `[N, Hv]`
+    (raw, as `recurrent_gated_delta_rule` takes them), states `[slots, Hv, dk, dv]` (a layer's
+    `StateCache.recurrent`), slots `[N]`, fresh `[N]` bool (start from zero). Returns `[N, Hv, dv]` (v's dtype);
+    each slot then holds its state after the token."""
+    state = states[slots] * (~fresh)[:, None, None, None]
+    out, state = recurrent_gated_delta_rule(*(t[:, None] for t in (q, k, v, g, beta)), initial_state=state)
+    states.index_copy_(0, slots, state.to(states.dtype))
+    return out[:, 0]
+
+
+STEP_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": gated_delta_step}
+"""The decode step by `delta_scan_backend` name: `gated_delta_step`, or the Triton kernel registered with the
+scan (`tandem.kernels.delta_scan.gated_delta_step_triton`: the state read and written once, in its slot)."""
+
+
 def segment_offsets(resets: torch.Tensor) -> torch.Tensor:
     """`[B, S]`: how many tokens of its own segment precede each token (0 at a start)."""
     index = torch.arange(resets.shape[1], device=resets.device).expand_as(resets)
@@ -199,6 +224,15 @@ def causal_conv(
         term = padded[:, taps - 1 - lag : taps - 1 - lag + seq] * w[:, -1 - lag]
         out = out + (term if offsets is None else term * (offsets >= lag)[..., None])
     return F.silu(out)
+
+
+def next_conv_state(state: torch.Tensor, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The conv state `[N, C, K - 1]` after a cached step: each sequence's last `K - 1` inputs, from the state before
+    it and the step's inputs `x` `[N, max_new, C]`, of which sequence n has `lengths[n]`."""
+    taps = state.shape[-1] + 1
+    history = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [N, K - 1 + max_new, C]
+    keep = lengths[:, None] + torch.arange(taps - 1, device=x.device)
+    return history.gather(1, keep[..., None].expand(-1, -1, history.shape[-1])).transpose(1, 2)
 
 
 class GatedDeltaNet(nn.Module):
@@ -276,22 +310,21 @@ class GatedDeltaNet(nn.Module):
         max_new = unpack.shape[1]
         valid = unpack == unpack[:, :1] + torch.arange(max_new, device=x.device)
         mixed, z, b, a = (t[0][unpack] for t in self._project(x))
-        conv_state, state = store.read(self.layer_idx, step)
-        taps = self.conv1d.weight.shape[-1]
-        history = torch.cat([conv_state.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [N, K - 1 + max_new, C]
+        conv_state = store.read_conv(self.layer_idx, step)
         q, k, v = self._heads(causal_conv(mixed, self.conv1d.weight, state=conv_state))
         g, beta = self._gates(b, a)
         g, beta = g * valid[..., None], beta * valid[..., None]  # padded slots keep the state as it is
-        if max_new == 1:
-            out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+        if max_new == 1:  # decode: the state is advanced in its slot
+            states = store.recurrent[self.layer_idx]
+            out = STEP_BACKENDS[self.scan](*(t[:, 0] for t in (q, k, v, g, beta)), states, step.slots, step.fresh)
+            out = out[:, None]
         else:
+            state = store.read_recurrent(self.layer_idx, step)
             out, state = chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=state, chunk_size=self.chunk_size, scan=self.scan
             )
-        lengths = valid.sum(dim=1)
-        keep = lengths[:, None] + torch.arange(taps - 1, device=x.device)  # the last K - 1 inputs of each sequence
-        new_conv = history.gather(1, keep[..., None].expand(-1, -1, history.shape[-1])).transpose(1, 2)
-        store.write(self.layer_idx, step, new_conv, state)
+            store.write_recurrent(self.layer_idx, step, state)
+        store.write_conv(self.layer_idx, step, next_conv_state(conv_state, mixed, valid.sum(dim=1)))
         out = out.flatten(0, 1)[batch.pack_index]
         z = z.flatten(0, 1)[batch.pack_index]
         return self._output(out, z)[None]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
-from .gated_deltanet import causal_conv
+from .gated_deltanet import causal_conv, next_conv_state
 from .norm import GroupedGatedRMSNorm
 
 
@@ -161,6 +161,32 @@ def chunk_ssd(
     return y + skip, entering[:, -1]
 
 
+def ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+) -> torch.Tensor:
+    """One token per sequence on the state cache, in place: x `[N, H, P]`, dt `[N, H]` (after softplus and clamp),
+    A and D `[H]`, B and C `[N, G, N_state]`, states `[slots, H, P, N_state]` (a layer's `StateCache.recurrent`),
+    slots `[N]`, fresh `[N]` bool (start from zero). Returns y `[N, H, P]` fp32; each slot then holds its state
+    after the token."""
+    state = states[slots] * (~fresh)[:, None, None, None]
+    y, state = recurrent_ssd(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, initial_state=state)
+    states.index_copy_(0, slots, state.to(states.dtype))
+    return y[:, 0]
+
+
+SSD_STEP_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": ssd_step}
+"""The decode step by `ssd_backend` name: `ssd_step`, or the Triton kernel registered with the within-chunk ones
+(`tandem.kernels.ssd.ssd_step_triton`: the state read and written once, in its slot)."""
+
+
 class Mamba2(nn.Module):
     """The Mamba-2 token mixer, HF parameter names (`mixer.*`): `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
     `norm`, `out_proj`. Same call as the attention modules."""
@@ -247,23 +273,20 @@ class Mamba2(nn.Module):
         max_new = unpack.shape[1]
         valid = unpack == unpack[:, :1] + torch.arange(max_new, device=x.device)
         z, xbc, dt = (t[0][unpack] for t in self._split(self.in_proj(x)))
-        conv_state, ssm_state = store.read(self.layer_idx, step)
-        taps = self.conv1d.weight.shape[-1]
-        history = torch.cat([conv_state.transpose(1, 2).to(xbc.dtype), xbc], dim=1)  # [N, K - 1 + max_new, C]
+        conv_state = store.read_conv(self.layer_idx, step)
         conv_out = causal_conv(xbc, self.conv1d.weight, state=conv_state, bias=self.conv1d.bias)
         xs, dt, B, C = self._scan_inputs(conv_out, dt)
         dt = dt * valid[..., None]  # padded positions keep the state as it is
         A = -self.A_log.float().exp()
-        if max_new == 1:
-            y, ssm_state = recurrent_ssd(xs, dt, A, B, C, self.D, initial_state=ssm_state)
+        if max_new == 1:  # decode: the state is advanced in its slot
+            states = store.recurrent[self.layer_idx]
+            inputs = (xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.D)
+            y = SSD_STEP_BACKENDS[self.ssd](*inputs, states, step.slots, step.fresh)[:, None]
         else:
-            y, ssm_state = chunk_ssd(
-                xs, dt, A, B, C, self.D, initial_state=ssm_state, chunk_size=self.chunk_size, intra=self.ssd
-            )
-        lengths = valid.sum(dim=1)
-        keep = lengths[:, None] + torch.arange(taps - 1, device=x.device)  # the last K - 1 inputs of each sequence
-        new_conv = history.gather(1, keep[..., None].expand(-1, -1, history.shape[-1])).transpose(1, 2)
-        store.write(self.layer_idx, step, new_conv, ssm_state)
+            state = store.read_recurrent(self.layer_idx, step)
+            y, state = chunk_ssd(xs, dt, A, B, C, self.D, None, state, chunk_size=self.chunk_size, intra=self.ssd)
+            store.write_recurrent(self.layer_idx, step, state)
+        store.write_conv(self.layer_idx, step, next_conv_state(conv_state, xbc, valid.sum(dim=1)))
         y = y.flatten(0, 1)[batch.pack_index]
         z = z.flatten(0, 1)[batch.pack_index]
         return self._output(y, z, x.dtype)[None]

@@ -98,14 +98,17 @@ class StateCache:
             for tensor in store.values():
                 tensor.index_copy_(0, dst_t, tensor[src_t])
 
-    def read(self, layer: int, step: StateBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's conv `[N, conv_dim, K - 1]` and recurrent `[N, H, dk, dv]` states (zeros where fresh)."""
-        keep = ~step.fresh
-        conv = self.conv[layer][step.slots] * keep[:, None, None]
-        recurrent = self.recurrent[layer][step.slots] * keep[:, None, None, None]
-        return conv, recurrent
+    def read_conv(self, layer: int, step: StateBatch) -> torch.Tensor:
+        """The step's conv states `[N, conv_dim, K - 1]` (zeros where fresh): its sequences' last inputs."""
+        return self.conv[layer][step.slots] * (~step.fresh)[:, None, None]
 
-    def write(self, layer: int, step: StateBatch, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Store the step's final states back into its slots."""
+    def write_conv(self, layer: int, step: StateBatch, conv: torch.Tensor) -> None:
         self.conv[layer].index_copy_(0, step.slots, conv.to(self.conv[layer].dtype))
+
+    def read_recurrent(self, layer: int, step: StateBatch) -> torch.Tensor:
+        """The step's recurrent states `[N, H, dk, dv]` (zeros where fresh), for a step of several tokens; a decode
+        step's function (`STEP_BACKENDS`) reads and writes `recurrent[layer]` in place instead."""
+        return self.recurrent[layer][step.slots] * (~step.fresh)[:, None, None, None]
+
+    def write_recurrent(self, layer: int, step: StateBatch, recurrent: torch.Tensor) -> None:
         self.recurrent[layer].index_copy_(0, step.slots, recurrent.to(self.recurrent[layer].dtype))

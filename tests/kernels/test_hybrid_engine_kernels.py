@@ -1,6 +1,7 @@
-"""The engine prefilling hybrid models on the Triton kernels (`inference.prefill_kernels = "triton"`): prompts
-split over prefill steps continue from the cached states through Gated DeltaNet's Triton pass over chunks and
-Mamba-2's Triton within-chunk part, and the engine still samples what the trainer scores (fp32).
+"""The engine serving hybrid models on the Triton kernels (`inference.recurrent_kernels = "triton"`): prompts split
+over prefill steps continue from the cached states through Gated DeltaNet's Triton pass over chunks and Mamba-2's
+Triton within-chunk part, each decode step advances the states in their slots with the step kernels, and the
+engine still samples what the trainer scores and transformers' greedy tokens (fp32).
 
 On CPU the kernels run under Triton's interpreter; on CUDA compiled.
 """
@@ -33,12 +34,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h_moe"])
-def test_triton_prefill_gives_transformers_greedy_tokens_and_the_trainers_logprobs(family, tmp_path):
+def test_triton_kernels_give_transformers_greedy_tokens_and_the_trainers_logprobs(family, tmp_path):
     """Greedy tokens equal transformers'; sampled tokens' logprobs equal the trainer's torch-path scoring (mismatch
-    KL < 1e-6): the first token of each sample is drawn from the prefill's last logits."""
+    KL < 1e-6): the first token of each sample is drawn from the prefill's last logits, the others from decode
+    steps."""
     path = write_servable_hybrid(tmp_path, {"qwen3_next": QWEN3_NEXT, "nemotron_h_moe": NEMOTRON_H_MOE}[family])
     config = engine_config(
-        path, device=DEVICE, prefill_kernels="triton", max_prefill_tokens=16, cuda_graphs=False, kv_cache_blocks=64
+        path, device=DEVICE, recurrent_kernels="triton", max_prefill_tokens=16, kv_cache_blocks=64
     )
     model = load_served_model(config, path, torch.device(DEVICE), lora=None)
     mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet | Mamba2)]
@@ -65,9 +67,9 @@ def test_triton_prefill_gives_transformers_greedy_tokens_and_the_trainers_logpro
     assert_on_policy(diffs)
 
 
-def test_triton_prefill_without_a_gpu_is_a_config_error(tmp_path, monkeypatch):
+def test_triton_kernels_without_a_gpu_are_a_config_error(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     path = write_servable_hybrid(tmp_path)
-    config = engine_config(path, device="cpu", prefill_kernels="triton")
-    with pytest.raises(ConfigError, match=r"inference.prefill_kernels = triton: Triton kernels need CUDA"):
+    config = engine_config(path, device="cpu", recurrent_kernels="triton")
+    with pytest.raises(ConfigError, match=r"inference.recurrent_kernels = triton: Triton kernels need CUDA"):
         load_served_model(config, path, torch.device("cpu"), lora=None)
