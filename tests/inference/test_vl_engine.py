@@ -132,3 +132,39 @@ def test_the_openai_client_sends_an_image(served, tmp_path):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2)
     finally:
         server.stop()
+
+
+def _greedy_on_cuda(vl_dir, graphs: bool) -> dict[str, list[int]]:
+    """Greedy tokens of an image prompt and a text-only one decoded together by an fp32 CUDA engine."""
+    from transformers import AutoTokenizer
+
+    from support.polling import wait_until
+    from tandem.inference.cuda_graphs import GraphedDecoder
+
+    tokenizer = AutoTokenizer.from_pretrained(vl_dir)
+    config = engine_config(
+        vl_dir, device="cuda", cuda_graphs=graphs, kv_cache_blocks=64, model={"name": str(vl_dir), "dtype": "float32"}
+    )
+    model = load_model(vl_dir, dtype=torch.float32, device="cuda")
+    engine = Engine(
+        model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(vl_dir, tokenizer), pixels=PixelEncoder(vl_dir)
+    ).start()
+    try:
+        prompt, images = engine.expand_images(_prompt(tokenizer, IMAGES), IMAGES)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        finished: dict[str, object] = {}
+        for name, ids, request_images in (("image", prompt, images), ("text", _prompt(tokenizer, []), None)):
+            engine.submit(ids, params, lambda u, name=name: u.finished and finished.setdefault(name, u),
+                          images=request_images)  # fmt: skip
+        wait_until(lambda: len(finished) == 2, "both requests to finish")
+        assert isinstance(engine.runner.decoder, GraphedDecoder) == graphs
+        return {name: update.samples[0].token_ids for name, update in finished.items()}
+    finally:
+        engine.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_give_the_eager_tokens(vl_dir):
+    """Decode replayed from CUDA graphs, each row's M-RoPE offset an input column: the eager engine's greedy tokens
+    (fp32, as the other graph tests)."""
+    assert _greedy_on_cuda(vl_dir, graphs=True) == _greedy_on_cuda(vl_dir, graphs=False)
