@@ -59,9 +59,9 @@ class SpeedConfig(Section):
     index_kernel: Literal["torch", "triton"] = "torch"
     """DeepSeek-V3.2's indexer scores as torch ops, or as one tiled Triton kernel (GPU; other models ignore it)."""
     delta_scan_kernel: Literal["auto", "torch", "triton"] = "auto"
-    """Gated DeltaNet's pass over chunks (Qwen3-Next, Qwen3.5) as a Python loop of matmuls (torch), or as one Triton kernel each way (triton; GPU; 3-7x the layer's speed); auto: triton on CUDA. Other models ignore it."""
+    """Gated DeltaNet's pass over chunks (Qwen3-Next, Qwen3.5) as a Python loop of matmuls (torch), or as one Triton kernel each way (triton; GPU; 3-7x the layer's speed); auto: triton on CUDA (torch with compile and fullgraph: the kernel is a graph break). Other models ignore it."""
     ssd_kernel: Literal["auto", "torch", "triton"] = "auto"
-    """Mamba-2's within-chunk part (Nemotron-H) as torch einsums over [chunk, chunk] scores (torch), or as Triton kernels that keep them in registers (triton; GPU; faster, less memory); auto: triton on CUDA. Other models ignore it."""
+    """Mamba-2's within-chunk part (Nemotron-H) as torch einsums over [chunk, chunk] scores (torch), or as Triton kernels that keep them in registers (triton; GPU; faster, less memory); auto: triton on CUDA (torch with compile and fullgraph). Other models ignore it."""
     moe_balanced_routing: bool = False
     """Benchmarks only: route tokens round-robin so every expert gets the same count (not a real router; in RL the trainer then scores another policy than inference samples)."""
     sync_debug: Literal["off", "warn", "error"] = "off"

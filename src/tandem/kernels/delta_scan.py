@@ -189,6 +189,7 @@ class _DeltaChunkScan(torch.autograd.Function):
         return *grads, dinit if ctx.has_init else None
 
 
+@torch.compiler.disable  # blocks compiled without fullgraph call it eagerly (a graph break)
 def delta_chunk_scan_triton(
     u: torch.Tensor,
     w: torch.Tensor,

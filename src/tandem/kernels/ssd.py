@@ -167,6 +167,7 @@ class _IntraChunk(torch.autograd.Function):
         return *intra_backward(*saved, seg, dy), None
 
 
+@torch.compiler.disable  # blocks compiled without fullgraph call it eagerly (a graph break)
 def intra_chunk_ssd_triton(
     C: torch.Tensor, B: torch.Tensor, xdt: torch.Tensor, a: torch.Tensor, seg: torch.Tensor | None
 ) -> torch.Tensor:

@@ -267,6 +267,13 @@ class ModelArgs:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """The (query/key, value) head dims the attention layers attend with."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim, self.mla.v_head_dim
+        return self.head_dim, self.head_dim
+
+    @property
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """Per layer and token, what the KV cache stores: (heads, key dim, value dim).
 

@@ -303,7 +303,10 @@ class CausalLM(nn.Module):
             positions become M-RoPE's.
         """
         batch, seq = input_ids.shape
-        attn = attention_inputs(self.args.attn_backend, input_ids.device, position_ids, attention_mask)
+        args = self.args
+        attn = attention_inputs(
+            args.attn_backend, input_ids.device, position_ids, attention_mask, args.attention_head_dims
+        )
         visual = None
         if images is not None:
             visual = self.visual_features(input_ids, images)

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from tandem.checkpoints import checkpoints_root
+from tandem.config import ConfigError
 from tandem.config.training import SpeedConfig, TrainingRunConfig
 from tandem.model_kernels import kernel_options
 from tandem.trainer import ckpt
@@ -62,15 +63,21 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def model_runtime(speed: SpeedConfig, device: torch.device) -> dict:
-    """The model runtime options the speed switches choose (Triton kernels, benchmark routing)."""
+def model_runtime(speed: SpeedConfig, device: torch.device, fullgraph: bool = False) -> dict:
+    """The model runtime options the speed switches choose (Triton kernels, benchmark routing). The hybrid layers'
+    chunked kernels run outside torch.compile (a graph break), so blocks compiled with `fullgraph` take their torch
+    path under `auto`, and refuse an explicit `triton`."""
+    recurrent = {"delta_scan": speed.delta_scan_kernel, "ssd": speed.ssd_kernel}
+    if fullgraph:
+        explicit = [f"speed.{name}_kernel" for name, kernel in recurrent.items() if kernel == "triton"]
+        if explicit:
+            raise ConfigError(
+                f"{' and '.join(explicit)} = triton runs outside torch.compile, a graph break: set fullgraph = false "
+                "or the kernel to torch"
+            )
+        recurrent = {name: "torch" for name in recurrent}
     kernels = kernel_options(
-        device,
-        rope=speed.rope_kernel,
-        swiglu=speed.swiglu_kernel,
-        index=speed.index_kernel,
-        delta_scan=speed.delta_scan_kernel,
-        ssd=speed.ssd_kernel,
+        device, rope=speed.rope_kernel, swiglu=speed.swiglu_kernel, index=speed.index_kernel, **recurrent
     )
     return {**kernels, "moe_balanced_routing": speed.moe_balanced_routing}
 
@@ -89,7 +96,10 @@ def build_training(config: TrainingRunConfig, world: World) -> Training:
     """The model and optimizer as the speed switches ask: FSDP2 or autocast on one process, kernels, fused AdamW."""
     speed = config.speed
     model, info = build_training_model(
-        config, world, shard=speed.fsdp_single_process, **model_runtime(speed, world.device)
+        config,
+        world,
+        shard=speed.fsdp_single_process,
+        **model_runtime(speed, world.device, config.compile and config.fullgraph),
     )
     optimizer, scheduler = build_optimizer(model, config, fused=speed.fused_optimizer)
     return Training(model, info, optimizer, scheduler)

@@ -76,13 +76,22 @@ def _flex_block_mask(documents: torch.Tensor) -> Any:
     return create_block_mask(mask_mod, batch, None, seq, seq, device=documents.device)
 
 
+FLEX_MIN_HEAD_DIM = 16
+"""flex_attention's kernels need query, key and value heads of at least this many dims."""
+
+
 def attention_inputs(
-    backend: str, device: torch.device, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+    backend: str,
+    device: torch.device,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    head_dims: tuple[int, int] = (FLEX_MIN_HEAD_DIM, FLEX_MIN_HEAD_DIM),
 ) -> AttnInputs:
     """Pick the path for a training/scoring forward.
 
-    No positions and no padding: plain causal SDPA. Otherwise documents: `flex` (GPU; no CPU backward), `sdpa`
-    with an explicit mask (works everywhere), or `auto` = flex on CUDA, SDPA elsewhere.
+    No positions and no padding: plain causal SDPA. Otherwise documents: `flex` (GPU; no CPU backward; heads of
+    at least `FLEX_MIN_HEAD_DIM`), `sdpa` with an explicit mask (works everywhere), or `auto` = flex on CUDA where
+    the model's `head_dims` (query/key, value) allow it, SDPA elsewhere.
     """
     if position_ids is None and attention_mask is None:
         return AttnInputs()
@@ -90,9 +99,12 @@ def attention_inputs(
         position_ids = torch.arange(attention_mask.shape[1], device=device).expand(attention_mask.shape[0], -1)
     starts = document_starts(position_ids, attention_mask)
     documents = starts.long().cumsum(dim=1)
+    flex_fits = min(head_dims) >= FLEX_MIN_HEAD_DIM
     if backend == "auto":
-        backend = "flex" if device.type == "cuda" else "sdpa"
+        backend = "flex" if device.type == "cuda" and flex_fits else "sdpa"
     if backend == "flex":
+        if not flex_fits:
+            raise ValueError(f"attn_backend flex needs heads of at least {FLEX_MIN_HEAD_DIM} dims, got {head_dims}")
         return AttnInputs(block_mask=_flex_block_mask(documents), resets=starts)
     return AttnInputs(mask=document_mask(documents), resets=starts)
 
