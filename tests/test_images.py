@@ -97,3 +97,17 @@ def test_a_header_beyond_pillows_own_cap_is_an_image_error():
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
     with pytest.raises(ImageError, match="far more than"):
         read_image("data:image/png;base64," + base64.b64encode(png).decode())
+
+
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+def test_placeholders_from_the_size_match_the_encoded_grid(family, tmp_path):
+    """`PixelEncoder.placeholders` counts from the image's size; the processor's patch grid of the same image agrees,
+    for sizes it resizes up, keeps and rounds (odd, wide, tall)."""
+    from support.vision_models import image_data_url, write_servable_vl_model
+    from tandem.images import PixelEncoder
+
+    pixels = PixelEncoder(write_servable_vl_model(tmp_path, family))
+    for size in [(16, 16), (24, 16), (37, 101), (130, 9), (300, 200)]:
+        ref = image_data_url((10, 200, 10), size)
+        _, grid = pixels.encode([ref])
+        assert pixels.placeholders(ref) == int(grid.prod()) // pixels.merge**2, size

@@ -158,6 +158,13 @@ class PixelEncoder:
         return out["pixel_values"], out["image_grid_thw"]
 
     def placeholders(self, ref: str) -> int:
-        """Placeholder tokens image `ref` takes: its merged patches."""
-        _, grid = self.encode([ref])
-        return int(grid.prod()) // self.merge**2
+        """Placeholder tokens image `ref` takes: its merged patches, from its size (the processor's own rule,
+        `get_number_of_image_patches`, the one vLLM uses). The image is decoded, so a corrupt one fails here, but
+        not resized and normalised into patches."""
+        image = read_image(ref, self.root)
+        count = getattr(self.processor, "get_number_of_image_patches", None)
+        if count is None:  # a processor without the rule: encode the image and read its grid
+            patches = int(self.processor(images=[image], return_tensors="pt")["image_grid_thw"].prod())
+        else:
+            patches = count(image.height, image.width)
+        return patches // self.merge**2
