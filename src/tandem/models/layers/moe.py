@@ -30,6 +30,10 @@ from .precision import autocast_dtype
 logger = logging.getLogger(__name__)
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+"""A LoRA pair (a, b) of stacked experts: a `[E, r, in]`, b `[E, out, r]`."""
+
+
 @dataclass(frozen=True)
 class LowRank:
     """LoRA on routed experts (`tandem.models.lora.LoraExperts`): with `first = (a, b)`, expert e's first projection
@@ -37,8 +41,8 @@ class LowRank:
     `[E, r, in]`, each `b` `[E, out, r]`; `scale` is a float, or a `[T, 1]` tensor with one value per token of the
     MoE's input (serving base and adapter side by side: 0 for the base model's tokens)."""
 
-    first: tuple[torch.Tensor, torch.Tensor]
-    second: tuple[torch.Tensor, torch.Tensor]
+    first: Pair
+    second: Pair
     scale: float | torch.Tensor
 
     def to(self, dtype: torch.dtype) -> LowRank:
@@ -49,6 +53,14 @@ class LowRank:
     def of_rows(self, token: torch.Tensor) -> float | torch.Tensor:
         """The scale of the rows that hold tokens `token`."""
         return self.scale[token] if isinstance(self.scale, torch.Tensor) else self.scale
+
+
+def _unpack(low_rank: LowRank | None, dtype: torch.dtype) -> tuple[LowRank | None, Pair | None, Pair | None]:
+    """`low_rank` in the experts' compute dtype and its (first, second) pairs; all None without LoRA."""
+    if low_rank is None:
+        return None, None, None
+    low_rank = low_rank.to(dtype)
+    return low_rank, low_rank.first, low_rank.second
 
 
 MoEBackend = Callable[
@@ -117,10 +129,9 @@ def experts_loop(
     Token selection has data-dependent shapes, so this backend does not compile with `fullgraph=True`.
     """
     x, weights, w1, down = _in_autocast_dtype(x, weights, w1, down)
-    low_rank = low_rank.to(x.dtype) if low_rank is not None else None
+    low_rank, first, second = _unpack(low_rank, x.dtype)
     act = EXPERT_ACTIVATIONS[activation]
     out = torch.zeros_like(x)
-    first, second = (None, None) if low_rank is None else (low_rank.first, low_rank.second)
     for e in range(w1.shape[0]):
         token, slot = torch.where(experts == e)
         scale = 0.0 if low_rank is None else low_rank.of_rows(token)
@@ -134,7 +145,7 @@ def _expert_linear(
     rows: torch.Tensor,
     w: torch.Tensor,
     expert: int,
-    pair: tuple[torch.Tensor, torch.Tensor] | None,
+    pair: Pair | None,
     scale: float | torch.Tensor,
 ) -> torch.Tensor:
     """`rows @ w[expert].T`, plus the expert's LoRA term `scale * (rows @ a[expert].T) @ b[expert].T` if `pair`."""
@@ -195,7 +206,7 @@ def experts_grouped_mm(
     """Sort (token, expert) pairs by expert, run two grouped GEMMs (each with two thin ones more for LoRA), scatter
     back. Shapes are static."""
     x, weights, w1, down = _in_autocast_dtype(x, weights, w1, down)
-    low_rank = low_rank.to(x.dtype) if low_rank is not None else None
+    low_rank, first, second = _unpack(low_rank, x.dtype)
     num_experts, k = w1.shape[0], experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
@@ -203,14 +214,13 @@ def experts_grouped_mm(
     counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0).to(torch.int32)
 
-    def project(rows: torch.Tensor, w: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def project(rows: torch.Tensor, w: torch.Tensor, pair: Pair | None) -> torch.Tensor:
         y = grouped_mm(rows, w.transpose(1, 2), offs)
         if low_rank is None or pair is None:
             return y
         thin = grouped_mm(grouped_mm(rows, pair[0].transpose(1, 2), offs), pair[1].transpose(1, 2), offs)
         return y + thin * low_rank.of_rows(token)
 
-    first, second = (None, None) if low_rank is None else (low_rank.first, low_rank.second)
     hidden = EXPERT_ACTIVATIONS[activation](project(x[token], w1, first))
     y = project(hidden, down, second)
     y = y * weights.reshape(-1)[order, None]
