@@ -7,10 +7,10 @@
 
 with `cum` the running sum of the log decays `dt * A` from the chunk start. In torch this materialises
 `[batch, heads, chunks, L, L]` scores and decays (16K tokens, 128 heads, L = 128: 1 GiB per tensor in fp32, a
-few of them per layer kept for the backward). Here the `[L, L]` tiles live in registers only: one program owns
-one chunk and one head, and `C B^T` is formed per group (B and C are shared by `heads / groups` heads). The
-backward program owns a chunk and a group and loops over the group's heads, reusing `C B^T` and summing their
-`dS` before the two products that give dC and dB (no atomics, no per-head copies of B and C):
+few of them per layer kept for the backward). Here the `[L, L]` tiles live in registers only. B and C are shared
+by the `heads / groups` heads of a group, so each program owns one chunk and one group, forms `C B^T` once and
+loops over the group's heads; the backward sums their `dS` before the two products that give dC and dB (no
+atomics, no per-head copies of B and C):
 
     M = (C B^T) * D          D_ls = exp(cum_l - cum_s) on the causal same-segment pairs, else 0
     dxdt = M^T dy            dM = dy xdt^T            dS += dM * D
