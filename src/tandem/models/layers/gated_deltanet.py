@@ -31,7 +31,8 @@ to the longest one, which for packed rows is many times the tokens.
 Cached steps (prefill chunks and decode, `StateCache`): the step's packed tokens are unpacked per sequence
 (`CacheBatch.unpack_index`), the conv continues from the cached last inputs and the recurrence from the cached
 state; padded slots get `g = 0` and `beta = 0`, so they leave the state unchanged and the final state is the one
-after each sequence's last token.
+after each sequence's last token. A decode step (one token each) hands the cache's state tensor itself to
+`STEP_BACKENDS[args.delta_scan_backend]`, which advances every sequence's state in its slot.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ padding token) and keep documents apart in the packed layout: the conv masks tap
 and the chunked form masks intra-chunk decays between segments, lets the incoming chunk state reach only the tokens
 before the chunk's first start, and carries out of a chunk only its last segment. Cached steps unpack the step's
 tokens per sequence and continue from the slot's conv inputs and SSM state (`StateCache`); padded positions get
-`dt = 0`, which leaves the state unchanged.
+`dt = 0`, which leaves the state unchanged. A decode step advances each state in its slot through
+`SSD_STEP_BACKENDS[args.ssd_backend]`.
 """
 
 from __future__ import annotations
