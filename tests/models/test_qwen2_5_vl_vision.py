@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from support.vision_models import tower_pair, tower_pixels
 from tandem.models.layers.qwen2_5_vision import Qwen2_5VisionArgs, Qwen2_5VisionEncoder, window_layout
 from tandem.models.layers.vision import merged_tokens
 
@@ -36,21 +37,12 @@ def models() -> tuple[torch.nn.Module, Qwen2_5VisionEncoder]:
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    torch.manual_seed(0)
-    config = Qwen2_5_VLVisionConfig(**CONFIG)
-    config._attn_implementation = "eager"
-    hf = Qwen2_5_VisionTransformerPretrainedModel(config).float().eval()
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-    ours = Qwen2_5VisionEncoder(Qwen2_5VisionArgs.from_hf(config.to_dict())).eval()
-    ours.load_state_dict(hf.state_dict(), strict=True)
-    return hf, ours
-
-
-def _pixels(grid_thw: torch.Tensor, args: Qwen2_5VisionArgs, seed: int = 1) -> torch.Tensor:
-    rows = int(grid_thw.prod(dim=-1).sum())
-    return torch.randn(rows, args.patch_dim, generator=torch.Generator().manual_seed(seed))
+    return tower_pair(
+        Qwen2_5_VisionTransformerPretrainedModel,
+        Qwen2_5_VLVisionConfig(**CONFIG),
+        Qwen2_5VisionEncoder,
+        Qwen2_5VisionArgs,
+    )
 
 
 def test_parameter_names_match_the_checkpoint():
@@ -69,7 +61,7 @@ def test_matches_transformers(models, attn_implementation):
     hf, ours = models
     hf.set_attn_implementation(attn_implementation)
     grid_thw = torch.tensor(GRID)
-    pixels = _pixels(grid_thw, ours.args)
+    pixels = tower_pixels(grid_thw, ours.args.patch_dim)
     with torch.no_grad():
         expected = hf(pixels, grid_thw=grid_thw).pooler_output
         merged, deepstack = ours(pixels, grid_thw)
@@ -103,7 +95,7 @@ def test_windows_are_transformers_windows():
 def test_each_image_alone_equals_its_slice(models):
     _, ours = models
     grid_thw = torch.tensor(GRID)
-    pixels = _pixels(grid_thw, ours.args)
+    pixels = tower_pixels(grid_thw, ours.args.patch_dim)
     tokens = merged_tokens(grid_thw, 2).tolist()
     with torch.no_grad():
         merged, _ = ours(pixels, grid_thw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.vision_models import tower_pair, tower_pixels
 from tandem.models.layers.vision import Qwen3VisionEncoder, VisionArgs, merged_tokens
 
 CONFIG = {
@@ -29,21 +30,7 @@ def models() -> tuple[torch.nn.Module, Qwen3VisionEncoder]:
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    torch.manual_seed(0)
-    config = Qwen3VLVisionConfig(**CONFIG)
-    config._attn_implementation = "eager"
-    hf = Qwen3VLVisionModel(config).float().eval()
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-    ours = Qwen3VisionEncoder(VisionArgs.from_hf(config.to_dict())).eval()
-    ours.load_state_dict(hf.state_dict(), strict=True)
-    return hf, ours
-
-
-def _pixels(grid_thw: torch.Tensor, args: VisionArgs, seed: int = 1) -> torch.Tensor:
-    rows = int(grid_thw.prod(dim=-1).sum())
-    return torch.randn(rows, args.patch_dim, generator=torch.Generator().manual_seed(seed))
+    return tower_pair(Qwen3VLVisionModel, Qwen3VLVisionConfig(**CONFIG), Qwen3VisionEncoder, VisionArgs)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +41,7 @@ def _pixels(grid_thw: torch.Tensor, args: VisionArgs, seed: int = 1) -> torch.Te
 def test_matches_transformers(models, grid):
     hf, ours = models
     grid_thw = torch.tensor(grid)
-    pixels = _pixels(grid_thw, ours.args)
+    pixels = tower_pixels(grid_thw, ours.args.patch_dim)
     with torch.no_grad():
         expected = hf(pixels, grid_thw=grid_thw)
         merged, deepstack = ours(pixels, grid_thw)
@@ -70,7 +57,7 @@ def test_matches_transformers(models, grid):
 def test_images_do_not_attend_to_each_other(models):
     _, ours = models
     grid_thw = torch.tensor([[1, 4, 6], [1, 8, 4]])
-    pixels = _pixels(grid_thw, ours.args)
+    pixels = tower_pixels(grid_thw, ours.args.patch_dim)
     tokens = merged_tokens(grid_thw, 2).tolist()
     with torch.no_grad():
         merged, deepstack = ours(pixels, grid_thw)

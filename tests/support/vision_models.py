@@ -116,3 +116,23 @@ def image_data_url(color: tuple[int, int, int], size: tuple[int, int] = (16, 16)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def tower_pair(hf_tower: type, config: Any, ours: type, args: type) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' vision tower `hf_tower` of `config` (eager attention, fp32) with every parameter perturbed, so
+    biases and norms matter, and tandem's `ours(args.from_hf(...))` holding the same weights; both in eval mode."""
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    hf = hf_tower(config).float().eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    tower = ours(args.from_hf(config.to_dict())).eval()
+    tower.load_state_dict(hf.state_dict(), strict=True)
+    return hf, tower
+
+
+def tower_pixels(grid_thw: torch.Tensor, patch_dim: int, seed: int = 1) -> torch.Tensor:
+    """Random patch rows for images of patch grids `grid_thw` `[N, 3]`."""
+    rows = int(grid_thw.prod(dim=-1).sum())
+    return torch.randn(rows, patch_dim, generator=torch.Generator().manual_seed(seed))

@@ -50,11 +50,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .norm import RMSNorm
-from .vision import NORM_EPS, VISION_ACTIVATIONS, TowerArgs, VisionAttention, axial_rope, frame_runs, patch_coordinates
+from .vision import (
+    NORM_EPS,
+    VISION_ACTIVATIONS,
+    PatchEmbed,
+    TowerArgs,
+    VisionBlock,
+    axial_rope,
+    frame_runs,
+    patch_coordinates,
+)
 
 QWEN2_5_VISION_DEFAULTS = {
     "depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
@@ -126,20 +134,7 @@ def window_layout(
     return torch.cat(order), runs
 
 
-class PatchEmbed(nn.Module):
-    """One patch row -> `hidden_size`; `proj` keeps HF's bias-free Conv3d weight `[hidden, C, T, P, P]`."""
-
-    def __init__(self, args: Qwen2_5VisionArgs) -> None:
-        super().__init__()
-        kernel = (args.temporal_patch_size, args.patch_size, args.patch_size)
-        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        weight = self.proj.weight
-        return F.linear(pixel_values.to(weight.dtype), weight.flatten(1))
-
-
-class VisionMLP(nn.Module):
+class GatedVisionMLP(nn.Module):
     def __init__(self, args: Qwen2_5VisionArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size)
@@ -149,21 +144,6 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, args: Qwen2_5VisionArgs) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(args.hidden_size, eps=NORM_EPS)
-        self.norm2 = RMSNorm(args.hidden_size, eps=NORM_EPS)
-        self.attn = VisionAttention(args.hidden_size, args.num_heads)
-        self.mlp = VisionMLP(args)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: list[tuple[int, int]]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, runs)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -189,8 +169,8 @@ class Qwen2_5VisionEncoder(nn.Module):
         super().__init__()
         args.validate()
         self.args = args
-        self.patch_embed = PatchEmbed(args)
-        self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
+        self.patch_embed = PatchEmbed(args, bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(args, RMSNorm, GatedVisionMLP(args)) for _ in range(args.depth))
         self.merger = PatchMerger(args)
 
     def reset_parameters(self, std: float, generator: torch.Generator | None = None) -> None:

@@ -193,12 +193,13 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: lis
 
 
 class PatchEmbed(nn.Module):
-    """One patch row -> `hidden_size`; `proj` keeps HF's Conv3d weight `[hidden, C, T, P, P]` (module docstring)."""
+    """One patch row -> `hidden_size`; `proj` keeps HF's Conv3d weight `[hidden, C, T, P, P]` (module docstring),
+    with a bias in Qwen3-VL's tower and none in Qwen2.5-VL's."""
 
-    def __init__(self, args: VisionArgs) -> None:
+    def __init__(self, args: TowerArgs, bias: bool = True) -> None:
         super().__init__()
         kernel = (args.temporal_patch_size, args.patch_size, args.patch_size)
-        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=kernel, stride=kernel)
+        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
@@ -237,12 +238,15 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, args: VisionArgs) -> None:
+    """Pre-norm attention then MLP, residual each; the towers differ in the norm (Qwen3-VL LayerNorm, Qwen2.5-VL
+    RMSNorm) and in the MLP (plain, or gated)."""
+
+    def __init__(self, args: TowerArgs, norm: Callable[..., nn.Module], mlp: nn.Module) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(args.hidden_size, eps=NORM_EPS)
-        self.norm2 = nn.LayerNorm(args.hidden_size, eps=NORM_EPS)
+        self.norm1 = norm(args.hidden_size, eps=NORM_EPS)
+        self.norm2 = norm(args.hidden_size, eps=NORM_EPS)
         self.attn = VisionAttention(args.hidden_size, args.num_heads)
-        self.mlp = VisionMLP(args)
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: list[tuple[int, int]]
@@ -282,7 +286,7 @@ class Qwen3VisionEncoder(nn.Module):
         self.side = math.isqrt(args.num_position_embeddings)
         self.patch_embed = PatchEmbed(args)
         self.pos_embed = nn.Embedding(args.num_position_embeddings, args.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
+        self.blocks = nn.ModuleList(VisionBlock(args, nn.LayerNorm, VisionMLP(args)) for _ in range(args.depth))
         self.merger = PatchMerger(args, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(args, postshuffle=True) for _ in args.deepstack_visual_indexes
