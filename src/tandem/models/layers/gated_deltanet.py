@@ -45,6 +45,7 @@ from torch import nn
 
 from ..config import ModelArgs
 from .norm import GatedRMSNorm
+from .state_cache import read_slots, write_slots
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -186,9 +187,9 @@ def gated_delta_step(
     (raw, as `recurrent_gated_delta_rule` takes them), states `[slots, Hv, dk, dv]` (a layer's
     `StateCache.recurrent`), slots `[N]`, fresh `[N]` bool (start from zero). Returns `[N, Hv, dv]` (v's dtype);
     each slot then holds its state after the token."""
-    state = states[slots] * (~fresh)[:, None, None, None]
+    state = read_slots(states, slots, fresh)
     out, state = recurrent_gated_delta_rule(*(t[:, None] for t in (q, k, v, g, beta)), initial_state=state)
-    states.index_copy_(0, slots, state.to(states.dtype))
+    write_slots(states, slots, state)
     return out[:, 0]
 
 

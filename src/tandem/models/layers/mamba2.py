@@ -37,6 +37,7 @@ from torch import nn
 from ..config import ModelArgs
 from .gated_deltanet import causal_conv, next_conv_state
 from .norm import GroupedGatedRMSNorm
+from .state_cache import read_slots, write_slots
 
 
 def _heads_of_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -177,9 +178,9 @@ def ssd_step(
     A and D `[H]`, B and C `[N, G, N_state]`, states `[slots, H, P, N_state]` (a layer's `StateCache.recurrent`),
     slots `[N]`, fresh `[N]` bool (start from zero). Returns y `[N, H, P]` fp32; each slot then holds its state
     after the token."""
-    state = states[slots] * (~fresh)[:, None, None, None]
+    state = read_slots(states, slots, fresh)
     y, state = recurrent_ssd(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, initial_state=state)
-    states.index_copy_(0, slots, state.to(states.dtype))
+    write_slots(states, slots, state)
     return y[:, 0]
 
 

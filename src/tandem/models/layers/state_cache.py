@@ -21,6 +21,17 @@ import torch
 from ..config import ModelArgs
 
 
+def read_slots(store: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """`store`'s rows `slots` (a copy), zeros for the `fresh` sequences whatever their slot held."""
+    keep = (~fresh).view(-1, *[1] * (store.dim() - 1))
+    return store[slots] * keep
+
+
+def write_slots(store: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """`values` into `store`'s rows `slots`, in the store's dtype."""
+    store.index_copy_(0, slots, values.to(store.dtype))
+
+
 @dataclass(frozen=True)
 class StateBatch:
     slots: torch.Tensor  # [N] long: the state slot of each sequence of the step
@@ -100,15 +111,15 @@ class StateCache:
 
     def read_conv(self, layer: int, step: StateBatch) -> torch.Tensor:
         """The step's conv states `[N, conv_dim, K - 1]` (zeros where fresh): its sequences' last inputs."""
-        return self.conv[layer][step.slots] * (~step.fresh)[:, None, None]
+        return read_slots(self.conv[layer], step.slots, step.fresh)
 
     def write_conv(self, layer: int, step: StateBatch, conv: torch.Tensor) -> None:
-        self.conv[layer].index_copy_(0, step.slots, conv.to(self.conv[layer].dtype))
+        write_slots(self.conv[layer], step.slots, conv)
 
     def read_recurrent(self, layer: int, step: StateBatch) -> torch.Tensor:
         """The step's recurrent states `[N, H, dk, dv]` (zeros where fresh), for a step of several tokens; a decode
         step's function (`STEP_BACKENDS`) reads and writes `recurrent[layer]` in place instead."""
-        return self.recurrent[layer][step.slots] * (~step.fresh)[:, None, None, None]
+        return read_slots(self.recurrent[layer], step.slots, step.fresh)
 
     def write_recurrent(self, layer: int, step: StateBatch, recurrent: torch.Tensor) -> None:
-        self.recurrent[layer].index_copy_(0, step.slots, recurrent.to(self.recurrent[layer].dtype))
+        write_slots(self.recurrent[layer], step.slots, recurrent)
