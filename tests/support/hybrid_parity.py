@@ -151,3 +151,22 @@ def assert_state_cache_matches_forward(model: torch.nn.Module) -> None:
             logits = model.decode(tokens, cache, batch, state, state.batch(slots, lens))
             for i, n in enumerate(lens):
                 torch.testing.assert_close(logits[i], full[i][n], atol=2e-5, rtol=0)
+
+
+def step_kernel_and_torch(
+    steps: dict[str, Callable[..., torch.Tensor]], inputs: Sequence[torch.Tensor], states: torch.Tensor, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's Triton kernel (`steps["triton"]`) and torch step (`steps["torch"]`) on one token for three
+    sequences in slots 4, 0 and 2 of the five-slot cache `states`, the middle one fresh (its slot's stale state
+    ignored), the slots a strided column as in the engine's step inputs. Asserts both leave every slot the same
+    and slots 1 and 3 untouched; returns the kernel's output and the torch step's."""
+    slots = torch.tensor([[4, 9], [0, 9], [2, 9]], device=device)[:, 0]
+    fresh = torch.tensor([False, True, False], device=device)
+    runs = []
+    for name in ("torch", "triton"):
+        cache = states.clone().to(device)
+        runs.append((steps[name](*(t.to(device) for t in inputs), cache, slots, fresh), cache))
+    (out, cache), (want, want_cache) = runs[1], runs[0]
+    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache[[1, 3]].cpu(), states[[1, 3]])
+    return out, want
