@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from support.inference import assert_on_policy, random_prompts, trainer_logprobs
+from support.model_parity import hf_greedy
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
 from tandem.inference.decode import decode_inputs, decode_step
@@ -39,10 +40,7 @@ def test_greedy_matches_transformers_generate(arch, model_dir, make_engine):
     prompts = _prompts(4, engine.vocab_size)
     ours = engine.generate(prompts, GREEDY)
     for prompt, (sample,) in zip(prompts, ours, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-        assert sample.token_ids == out[0, len(prompt) :].tolist()
+        assert sample.token_ids == hf_greedy(hf, prompt, 16)
 
 
 def test_a_prompt_alone_and_in_a_batch_of_16_gives_the_same_greedy_tokens(make_engine):

@@ -11,7 +11,7 @@ import torch
 
 from support.hybrid_models import NEMOTRON_H_MOE, QWEN3_5, QWEN3_NEXT, write_servable_hybrid
 from support.inference import assert_on_policy, engine_config, random_prompts, trainer_logprobs
-from support.model_parity import hf_load
+from support.model_parity import hf_greedy, hf_load
 from support.polling import wait_until
 from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.engine import Engine
@@ -36,13 +36,6 @@ def hf_model(hybrid_dir):
     return hf_load(hybrid_dir)
 
 
-def _hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize(("cache", "preempts"), [({"max_running": 8}, False), (PAGED, True)], ids=["roomy", "paged"])
 def test_greedy_generation_matches_transformers(cache, preempts, hybrid_dir, hf_model, make_engine):
     engine = make_engine(path=hybrid_dir, **cache)
@@ -54,7 +47,7 @@ def test_greedy_generation_matches_transformers(cache, preempts, hybrid_dir, hf_
     stats = engine.stats()
     assert (stats.preemptions > 0) == preempts and stats.overlapped_steps > 0
     for prompt, (sample,) in zip(prompts, ours, strict=True):
-        assert sample.token_ids == _hf_greedy(hf_model, prompt, 24)
+        assert sample.token_ids == hf_greedy(hf_model, prompt, 24)
     wait_until(lambda: engine.gauges.kv_blocks_used == 0, message="all blocks free")
     assert engine.scheduler.num_free_slots == cache["max_running"]
 
@@ -69,7 +62,7 @@ def test_other_hybrids_greedy_generation_matches_transformers(family, tmp_path, 
     ours = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     hf = hf_load(path)
     for prompt, (sample,) in zip(prompts, ours, strict=True):
-        assert sample.token_ids == _hf_greedy(hf, prompt, 16)
+        assert sample.token_ids == hf_greedy(hf, prompt, 16)
 
 
 def test_greedy_forks_continue_from_the_prompt_state(hybrid_dir, hf_model, make_engine):
@@ -80,7 +73,7 @@ def test_greedy_forks_continue_from_the_prompt_state(hybrid_dir, hf_model, make_
     prompts = [p if len(p) % 4 else [*p, 5] for p in prompts]
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16), n=3)
     for prompt, samples in zip(prompts, outputs, strict=True):
-        want = _hf_greedy(hf_model, prompt, 16)
+        want = hf_greedy(hf_model, prompt, 16)
         assert [s.token_ids for s in samples] == [want] * 3
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from support.inference import assert_on_policy, engine_config, random_prompts, trainer_logprobs
-from support.model_parity import DEEPSEEK_V3, GLM4_MOE, hf_load, write_servable_model
+from support.model_parity import DEEPSEEK_V3, GLM4_MOE, hf_greedy, hf_load, write_servable_model
 from support.polling import wait_until
 from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.engine import Engine
@@ -64,10 +64,7 @@ def test_paged_greedy_generation_matches_transformers(family, family_dir, hf_ref
     assert stats.preemptions > 0 and stats.overlapped_steps > 0  # decode steps launched on unread tokens too
     hf = hf_reference(family)
     for prompt, (sample,) in zip(prompts, ours, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-        assert sample.token_ids == out[0, len(prompt) :].tolist()
+        assert sample.token_ids == hf_greedy(hf, prompt, 24)
     wait_until(lambda: engine.gauges.kv_blocks_used == 0, message="all blocks free")
 
 

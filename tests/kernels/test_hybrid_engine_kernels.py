@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from support.hybrid_models import NEMOTRON_H_MOE, QWEN3_NEXT, write_servable_hybrid
 from support.inference import assert_on_policy, engine_config, random_prompts, trainer_logprobs
-from support.model_parity import hf_load
+from support.model_parity import hf_greedy, hf_load
 from tandem.config import ConfigError
 from tandem.inference.engine import Engine
 from tandem.inference.main import eos_token_ids, load_served_model
@@ -39,9 +39,7 @@ def test_triton_kernels_give_transformers_greedy_tokens_and_the_trainers_logprob
     KL < 1e-6): the first token of each sample is drawn from the prefill's last logits, the others from decode
     steps."""
     path = write_servable_hybrid(tmp_path, {"qwen3_next": QWEN3_NEXT, "nemotron_h_moe": NEMOTRON_H_MOE}[family])
-    config = engine_config(
-        path, device=DEVICE, recurrent_kernels="triton", max_prefill_tokens=16, kv_cache_blocks=64
-    )
+    config = engine_config(path, device=DEVICE, recurrent_kernels="triton", max_prefill_tokens=16, kv_cache_blocks=64)
     model = load_served_model(config, path, torch.device(DEVICE), lora=None)
     mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet | Mamba2)]
     assert mixers and all(getattr(m, "scan", None) == "triton" or getattr(m, "ssd", None) == "triton" for m in mixers)
@@ -55,10 +53,7 @@ def test_triton_kernels_give_transformers_greedy_tokens_and_the_trainers_logprob
         engine.stop()
     hf = hf_load(path)
     for prompt, (sample,) in zip(prompts, greedy, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-        assert sample.token_ids == want[0, len(prompt) :].tolist()
+        assert sample.token_ids == hf_greedy(hf, prompt, 12)
     trainer = load_model(path, dtype=torch.float32).eval()
     diffs = [
         trainer_logprobs(trainer, prompt, sample.token_ids) - torch.tensor(sample.logprobs).double()

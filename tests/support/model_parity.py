@@ -130,6 +130,14 @@ def hf_load(path: Path, **kw: Any) -> torch.nn.Module:
     return model.eval()
 
 
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`: `max_new_tokens` tokens (fewer if it stops at EOS)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
 def disk_tensors(path: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(Path(path).glob("*.safetensors")):
