@@ -7,6 +7,11 @@ only importing a kernel's module needs Triton.
 import importlib.util
 import os
 
+FP32_PRODUCTS = "tf32x3"
+"""`tl.dot`'s input precision in the kernels that score as fp32 torch does (the hybrid layers' scans): each fp32
+operand split into a tf32 high and low part, three tensor-core products summed (hi*hi + hi*lo + lo*hi), within
+about 1e-6 of fp32 ones; "ieee" (fp32 FMAs) is several times slower, plain "tf32" (1e-3) too coarse."""
+
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None

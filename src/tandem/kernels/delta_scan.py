@@ -19,11 +19,9 @@ stored state:
     ddecay_i = sum(S * dS)   dS  <- decay_i * dS + q_i^T @ do_i - w_i^T @ dv_i
 
 The terms that sum over value columns (da, dq, dk, dw, ddecay) are written per value block and summed after.
-All math is fp32. The products are `PRECISION`: "tf32x3" splits each fp32 operand into a tf32 high and low part
-and sums three tensor-core products (hi*hi + hi*lo + lo*hi), within about 1e-6 of fp32 products and several
-times faster than "ieee" (fp32 FMAs, which spill: the backward keeps a dozen tiles live); plain "tf32" (1e-3) is
-not offered, as the trainer and the engine must score the numbers the reference does. Dims are padded to powers of
-two (at least 16) with masked loads.
+All math is fp32, the products `tandem.kernels.FP32_PRODUCTS` (fp32-close on tensor cores: the trainer and the
+engine must score the numbers the reference does; fp32 FMAs would spill, the backward keeping a dozen tiles live).
+Dims are padded to powers of two (at least 16) with masked loads.
 """
 
 from __future__ import annotations
@@ -31,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels import FP32_PRODUCTS
 
 
 @triton.jit
@@ -113,10 +113,6 @@ def _scan_backward(
     tl.store(dinit_ptr + bh * dk * dv + state_offsets, dstate, mask=state_mask)
 
 
-PRECISION = "tf32x3"
-"""The products' precision: "tf32x3" (three tf32 tensor-core products, fp32-close) or "ieee" (fp32 FMAs)."""
-
-
 def _blocks(dk: int, dv: int) -> tuple[int, int]:
     """(BK, BV): the whole key dim and value blocks of at most 32 columns, powers of two of at least 16."""
     return max(16, triton.next_power_of_2(dk)), max(16, min(32, triton.next_power_of_2(dv)))
@@ -130,7 +126,7 @@ def scan_forward(
     k: torch.Tensor,
     decay: torch.Tensor,
     initial_state: torch.Tensor | None,
-    precision: str = PRECISION,
+    precision: str = FP32_PRODUCTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """out `[B, H, n, C, dv]`, the final state and the state entering every chunk `[B, H, n, dk, dv]`."""
     batch, heads, chunks, size, dv = u.shape
@@ -152,7 +148,7 @@ def scan_backward(
     states: torch.Tensor,
     dout: torch.Tensor,
     dfinal: torch.Tensor,
-    precision: str = PRECISION,
+    precision: str = FP32_PRODUCTS,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of (u, w, q, a, k, decay, initial state) from `scan_forward`'s inputs `saved` and `states`."""
     u, w, q, a, k, decay = saved

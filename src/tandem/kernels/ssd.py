@@ -16,8 +16,8 @@ atomics, no per-head copies of B and C):
     dxdt = M^T dy            dM = dy xdt^T            dS += dM * D
     dcum = rowsum(dM * M) - colsum(dM * M)            dC = dS B,   dB = dS^T C
 
-All math is fp32, the products `PRECISION` as in `tandem.kernels.delta_scan` ("tf32x3": three tf32 tensor-core
-products, within about 1e-6 of fp32 ones, where fp32 FMAs make the backward several times slower). The decays are
+All math is fp32, the products `tandem.kernels.FP32_PRODUCTS` (with fp32 FMAs the backward runs ten times slower).
+The decays are
 differences of `cum`, as in mamba_ssm's kernels (the torch path's stable segment sums cost an `[L, L]` cumsum).
 Dims are padded to powers of two (at least 16) with masked loads; L must be a power of two.
 """
@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels import FP32_PRODUCTS
 
 
 @triton.jit
@@ -98,10 +100,6 @@ def _intra_backward(
     tl.store(db_ptr + group_rows, tl.dot(tl.trans(dscores), c, input_precision=PRECISION), mask=ns[None, :] < n)
 
 
-PRECISION = "tf32x3"
-"""The products' precision: "tf32x3" (three tf32 tensor-core products, fp32-close) or "ieee" (fp32 FMAs)."""
-
-
 def _blocks(n: int, p: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(p))
 
@@ -117,7 +115,7 @@ def intra_forward(
     xdt: torch.Tensor,
     cum: torch.Tensor,
     seg: torch.Tensor | None,
-    precision: str = PRECISION,
+    precision: str = FP32_PRODUCTS,
 ) -> torch.Tensor:
     """y `[b, c, l, h, p]` from C, B `[b, c, l, g, n]`, xdt `[b, c, l, h, p]`, cum `[b, h, c, l]` (contiguous
     fp32) and seg `[b, 1, c, l]` (segment ids within each chunk, or None)."""
@@ -139,7 +137,7 @@ def intra_backward(
     cum: torch.Tensor,
     seg: torch.Tensor | None,
     dy: torch.Tensor,
-    precision: str = PRECISION,
+    precision: str = FP32_PRODUCTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of (C, B, xdt, cum) from `intra_forward`'s inputs and dy."""
     batch, chunks, size, heads, p = xdt.shape
