@@ -60,9 +60,9 @@ from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.kv_budget import state_bytes
+from tandem.inference.main import recurrent_kernels
 from tandem.inference.outputs import RequestUpdate
 from tandem.inference.protocol import SamplingParams
-from tandem.model_kernels import kernel_options
 from tandem.models import build_model
 from tandem.models.layers.moe import Experts
 
@@ -211,9 +211,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
     prompts = torch.randint(0, shape.vocab, (max(batches), args.prompt_len), generator=generator)
 
     def built(recurrent: str = "auto") -> torch.nn.Module:  # the hybrids' layers as `inference.recurrent_kernels`
-        kernels = kernel_options(device, delta_scan=recurrent, ssd=recurrent)
-        recurrent_options = {name: kernels[name] for name in ("delta_scan_backend", "ssd_backend")}
-        return build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0, **recurrent_options)
+        options = recurrent_kernels(recurrent, device)
+        return build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0, **options)
 
     model = built()
     context = args.prompt_len + args.gen_len

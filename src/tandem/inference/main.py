@@ -157,10 +157,10 @@ def served_names(config: InferenceConfig, model_dir: Path) -> tuple[str, str | N
     return adapter, base
 
 
-def recurrent_kernels(config: InferenceConfig, device: torch.device) -> dict[str, str]:
+def recurrent_kernels(setting: str, device: torch.device) -> dict[str, str]:
     """The hybrid layers' kernel options (`delta_scan_backend`, `ssd_backend`: chunked prefill and the decode step)
-    for `inference.recurrent_kernels`."""
-    choice = resolve(config.recurrent_kernels, device)
+    for an `inference.recurrent_kernels` setting."""
+    choice = resolve(setting, device)
     if choice == "triton" and (reason := triton_unavailable_reason(device.type)) is not None:
         raise ConfigError(f"inference.recurrent_kernels = triton: {reason}")
     kernels = kernel_options(device, delta_scan=choice, ssd=choice)
@@ -180,7 +180,7 @@ def load_served_model(
         attn_backend=config.model.attn_backend,
         moe_backend=config.model.moe_backend,
         freeze_router=config.model.freeze_router,
-        **recurrent_kernels(config, device),
+        **recurrent_kernels(config.recurrent_kernels, device),
     )
     if lora is None:
         return model
