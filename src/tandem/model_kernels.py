@@ -34,31 +34,30 @@ def kernel_options(
     runtime options from the `speed.*_kernel` switches; the Triton kernels, which models may not import, are
     registered here. A switch may say "auto" (`resolve`). A ConfigError names the switches when Triton cannot run
     on `device`."""
-    kernels = {"rope": rope, "swiglu": swiglu, "index": index, "delta_scan": delta_scan, "ssd": ssd}
-    kernels = {name: resolve(kernel, device) for name, kernel in kernels.items()}
-    rope, swiglu, index, delta_scan, ssd = kernels.values()
-    chosen = [f"speed.{name}_kernel" for name, kernel in kernels.items() if kernel == "triton"]
-    reason = triton_unavailable_reason(device.type) if chosen else None
+    switches = {"rope": rope, "swiglu": swiglu, "index": index, "delta_scan": delta_scan, "ssd": ssd}
+    kernels = {name: resolve(kernel, device) for name, kernel in switches.items()}
+    triton = [name for name, kernel in kernels.items() if kernel == "triton"]
+    reason = triton_unavailable_reason(device.type) if triton else None
     if reason is not None:
-        raise ConfigError(f"{' and '.join(chosen)} = triton: {reason}")
-    if rope == "triton" and rope not in ROPE_BACKENDS:
+        raise ConfigError(f"{' and '.join(f'speed.{name}_kernel' for name in triton)} = triton: {reason}")
+    if "rope" in triton and "triton" not in ROPE_BACKENDS:
         from tandem.kernels.rope import apply_rope_triton
 
-        ROPE_BACKENDS[rope] = apply_rope_triton
-    if swiglu == "triton" and swiglu not in SWIGLU_BACKENDS:
+        ROPE_BACKENDS["triton"] = apply_rope_triton
+    if "swiglu" in triton and "triton" not in SWIGLU_BACKENDS:
         from tandem.kernels.swiglu import swiglu as swiglu_triton
 
-        SWIGLU_BACKENDS[swiglu] = swiglu_triton
-    if index == "triton" and index not in INDEX_BACKENDS:
+        SWIGLU_BACKENDS["triton"] = swiglu_triton
+    if "index" in triton and "triton" not in INDEX_BACKENDS:
         from tandem.kernels.indexer import index_scores_triton
 
-        INDEX_BACKENDS[index] = index_scores_triton
-    if delta_scan == "triton" and delta_scan not in SCAN_BACKENDS:
+        INDEX_BACKENDS["triton"] = index_scores_triton
+    if "delta_scan" in triton and "triton" not in SCAN_BACKENDS:
         from tandem.kernels.delta_scan import delta_chunk_scan_triton, gated_delta_step_triton
 
-        SCAN_BACKENDS[delta_scan], STEP_BACKENDS[delta_scan] = delta_chunk_scan_triton, gated_delta_step_triton
-    if ssd == "triton" and ssd not in SSD_BACKENDS:
+        SCAN_BACKENDS["triton"], STEP_BACKENDS["triton"] = delta_chunk_scan_triton, gated_delta_step_triton
+    if "ssd" in triton and "triton" not in SSD_BACKENDS:
         from tandem.kernels.ssd import intra_chunk_ssd_triton, ssd_step_triton
 
-        SSD_BACKENDS[ssd], SSD_STEP_BACKENDS[ssd] = intra_chunk_ssd_triton, ssd_step_triton
+        SSD_BACKENDS["triton"], SSD_STEP_BACKENDS["triton"] = intra_chunk_ssd_triton, ssd_step_triton
     return {f"{name}_backend": kernel for name, kernel in kernels.items()}
