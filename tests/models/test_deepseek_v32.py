@@ -280,6 +280,8 @@ needs_triton = pytest.mark.skipif(
     torch.cuda.is_available() is False and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
 )
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where Triton runs its kernels: the GPU when there is one (the interpreter is then off), else the CPU."""
 
 
 @pytest.fixture(scope="module")
@@ -298,13 +300,14 @@ def test_triton_index_scores_match_torch(triton_scores, masking):
     batch, seq, keys, heads, dim = 2, 21, 21, 5, 12
     if masking == "cached":
         seq = 3  # the last 3 queries of 21 keys, causal: a prefill chunk after cached tokens
-    q = torch.randn(batch, seq, heads, dim, generator=g)
-    k = torch.randn(batch, keys, dim, generator=g)
-    w = torch.randn(batch, seq, heads, generator=g)
+    q = torch.randn(batch, seq, heads, dim, generator=g).to(KERNEL_DEVICE)
+    k = torch.randn(batch, keys, dim, generator=g).to(KERNEL_DEVICE)
+    w = torch.randn(batch, seq, heads, generator=g).to(KERNEL_DEVICE)
     allowed = None
     if masking == "documents":
         docs = torch.tensor([[0] * 7 + [1] * 10 + [2] * 4, [0] * 21])
         allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(seq, keys, dtype=torch.bool).tril()
+        allowed = allowed.to(KERNEL_DEVICE)
     want = index_scores(q, k, w, dim**-0.5, allowed)
     got = triton_scores(q, k, w, dim**-0.5, allowed)
     assert torch.equal(got == float("-inf"), want == float("-inf"))
@@ -315,10 +318,10 @@ def test_triton_index_scores_match_torch(triton_scores, masking):
 
 @needs_triton
 def test_model_with_triton_index_backend_matches_torch(v32_dir, triton_scores):
-    ids, pos = packed([9, 11, 4], 256, seed=7)
+    ids, pos = (t[None].to(KERNEL_DEVICE) for t in packed([9, 11, 4], 256, seed=7))
     with torch.no_grad():
-        want = load_model(v32_dir).eval()(ids[None], position_ids=pos[None])
-        got = load_model(v32_dir, index_backend="triton").eval()(ids[None], position_ids=pos[None])
+        want = load_model(v32_dir, device=KERNEL_DEVICE).eval()(ids, position_ids=pos)
+        got = load_model(v32_dir, device=KERNEL_DEVICE, index_backend="triton").eval()(ids, position_ids=pos)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
