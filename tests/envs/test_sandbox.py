@@ -37,7 +37,9 @@ def _namespaces_work() -> bool:
 
 
 LAUNCHERS = [
-    pytest.param(Launcher("bubblewrap", BWRAP), id="bubblewrap", marks=pytest.mark.skipif(not BWRAP, reason="no bwrap")),
+    pytest.param(
+        Launcher("bubblewrap", BWRAP), id="bubblewrap", marks=pytest.mark.skipif(not BWRAP, reason="no bwrap")
+    ),
     pytest.param(Launcher("namespaces"), id="namespaces"),
 ]
 
@@ -202,7 +204,13 @@ def test_host_files_are_not_there(launcher, tmp_path):
     data = tmp_path / "shared" / "gsm8k" / "test.jsonl"
     data.parent.mkdir(parents=True)
     data.write_text(f'{{"answer": "{secret}"}}')
-    targets = ["/etc/passwd", str(beside), str(data), tandem.__file__, str(Path(tandem.__file__).parents[2] / "README.md")]
+    targets = [
+        "/etc/passwd",
+        str(beside),
+        str(data),
+        tandem.__file__,
+        str(Path(tandem.__file__).parents[2] / "README.md"),
+    ]
     code = "import os\nfor path in %r:\n    try:\n        print(open(path).read())\n    except OSError as e:\n        print('refused', e.errno)"
     result = run(code % targets)
     assert result.ok and result.output == "refused 2\n" * len(targets)  # ENOENT: not in the sandbox at all
@@ -274,7 +282,8 @@ def test_no_network_no_loopback_no_unix_sockets(launcher, listener, tmp_path):
         result = run(code)
         lines = result.output.splitlines()
         # the sandbox's own loopback (bwrap brings it up; the in-house one leaves it down), never the host's
-        assert lines[0] in ("refused ConnectionRefusedError", "refused OSError") and not result.output.count("connected")
+        assert lines[0] in ("refused ConnectionRefusedError", "refused OSError")
+        assert "connected" not in result.output
         assert lines[1] == "refused FileNotFoundError"  # the socket's file is not in the sandbox
         assert lines[2].startswith("libc connect -1 ") and lines[3] == "no lookup"
         with pytest.raises(BlockingIOError):
@@ -480,7 +489,7 @@ def test_probe_fails_closed_where_namespaces_are_refused():
     """A real machine without isolation: a user namespace whose nested user namespaces are capped at 0, and no
     capabilities (like root in a default Docker container). bwrap and the in-house namespaces both fail there,
     so building the calculator with the python tool refuses with one line; the logged opt-out runs unisolated."""
-    script = "echo 0 > /proc/sys/user/max_user_namespaces && exec setpriv --bounding-set -all --inh-caps -all \"$@\""
+    script = 'echo 0 > /proc/sys/user/max_user_namespaces && exec setpriv --bounding-set -all --inh-caps -all "$@"'
     argv = ["unshare", "--user", "--map-root-user", "sh", "-c", script, "sh", sys.executable, "-c", FAIL_CLOSED]
     env = {**os.environ, "PYTHONPATH": str(Path(tandem.__file__).parents[1])}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
