@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import RunConfig
-from tandem.config.env import EnvConfig
+from tandem.config.env import EnvConfig, SandboxConfig
 from tandem.config.loader import deep_merge
 
 RetryOn = Literal["connection", "timeout", "5xx", "429"]
@@ -117,6 +117,8 @@ class EvalConfig(RunConfig):
     """The environments to evaluate, one [[source]] block each."""
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     """Adaptive number of requests in flight, shared by all sources (AIMD)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The `python` tool's sandbox: `unsafe_no_isolation` where no isolation is available, `max_concurrent` runs."""
     resume: Path | None = None
     """Run directory of an earlier eval to continue: its saved config under the keys given; only missing rollouts run."""
 

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import RunConfig
-from tandem.config.env import EnvConfig
+from tandem.config.env import EnvConfig, SandboxConfig
 from tandem.config.eval import ConcurrencyConfig, EvalSourceConfig
 
 MAX_REPLAY_KEPT = 2048
@@ -121,6 +121,8 @@ class OrchestratorConfig(RunConfig):
     """Keep every batch file (benchmarks replay them). Otherwise, once every server serves policy N, the batch files of steps up to N (trained already) are deleted, as policy directories older than N always are."""
     resume_step: int = Field(0, ge=0)
     """Continue after this step's batch (the trainer checkpoint being resumed; `tandem rl --resume` sets it)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The `python` tool's sandbox: `unsafe_no_isolation` where no isolation is available, `max_concurrent` runs."""
     log_samples: int = Field(8, ge=0)
     """Trained rollouts a step written as text to `<run>/rollouts.jsonl` (prompt, completion, reward, advantage); 0: off."""
 

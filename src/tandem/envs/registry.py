@@ -14,6 +14,7 @@ from typing import Any
 from tandem.config.env import EnvConfig
 from tandem.envs.base import Taskset, require_rewards
 from tandem.envs.multiturn import MultiTurnTaskset
+from tandem.envs.tool_env import ToolTaskset
 
 _REGISTRY: dict[str, str] = {
     "reverse_text": "tandem.envs.builtin.reverse_text:ReverseText",
@@ -80,7 +81,9 @@ def load_taskset(id_or_path: str, **args: Any) -> Taskset:
 
 
 def load_env(config: EnvConfig) -> Taskset:
-    """Build the configured taskset with the config's rollout limits; select its tasks with `apply_select`."""
+    """Build the configured taskset with the config's rollout limits; select its tasks with `apply_select`.
+    A tool taskset builds its tools once here, so a tool that cannot run on this machine (the `python` tool
+    without a sandbox: `SandboxUnavailable`) stops the command at start-up, before any step."""
     taskset = load_taskset(config.id, **config.args)
     if config.timeout_s is not None:
         taskset.timeout_s = config.timeout_s
@@ -88,4 +91,6 @@ def load_env(config: EnvConfig) -> Taskset:
         if not isinstance(taskset, MultiTurnTaskset):
             raise ValueError(f"env {config.id!r}: max_turns is set but the taskset is single-turn")
         taskset.max_turns = config.max_turns
+    if isinstance(taskset, ToolTaskset):
+        taskset.tool_schemas()
     return taskset

@@ -1,24 +1,20 @@
-"""A built-in `python` tool: the model's code runs in a limited subprocess and the tool answers with its output.
+"""A built-in `python` tool: the model's code runs in a sandbox and the tool answers with its output.
 
-The child is `sys.executable -I` (no user site, no PYTHON* variables) in a fresh temporary directory (its cwd,
-HOME and TMPDIR, removed afterwards) with a minimal environment (no proxies, no tokens) and its own process
-group, which is killed when the call ends (a wall-clock timeout, a cancelled call, or normal exit), so what it
-started dies with it (a process that leaves the group with setsid() is not tracked). The code runs as the script
-`main.py`, and the value of a final expression is printed, as in a notebook. Stdout and stderr go to one file
-(bounded by the file-size limit) whose head and tail come back. Before the code runs, a prelude in the child
-sets up what the kernel enforces:
+Model-written code is hostile (in RL it is written by a policy optimised for reward), so the sandbox is a
+boundary, and it fails closed: the first `python_tool()` of a process (`load_env` builds every tool at start-up,
+before any step) probes the isolation this machine gives (`sandbox_isolation`: bubblewrap, else Linux
+namespaces of its own), logs it once, and raises `SandboxUnavailable` if there is none, unless the run opts out
+with `[sandbox] unsafe_no_isolation = true` (logged as a warning).
 
-- rlimits: CPU seconds (`RLIMIT_CPU`), address space (`RLIMIT_AS`), file size (`RLIMIT_FSIZE`), no core files;
-- where the kernel lets it (root with `CAP_SYS_ADMIN`, or an unprivileged user namespace): a new network
-  namespace (no interface but a downed loopback: every connection fails, localhost too) and a new mount
-  namespace whose filesystem is read-only except the temporary directory;
-- then it drops every capability and sets `no_new_privs`, so the code cannot undo any of that or raise a limit.
-
-Where namespaces are refused, an audit hook blocks socket connections, binds and name lookups instead (a
-Python-level guard: code that loads C through ctypes can get past it). `SandboxResult.isolation` says which
-layers a run had. An audit hook also refuses starting processes (unless `SandboxLimits.subprocesses`) and
-signalling other processes: `RLIMIT_NPROC` bounds nothing for uid 0, so this hook is what stops a fork bomb.
-This is a guard for RL against runaway or naive code, not a boundary against code written to escape.
+Each run is a fresh PID, mount, network, IPC, UTS and user namespace whose root holds only the interpreter's
+directories (read-only), a private /proc and a size-bounded tmpfs /tmp (its cwd, HOME and TMPDIR): no host
+files, processes, sockets or network, loopback included. Its PID 1 enforces the wall-clock and process limits
+from inside, and when the code ends every process of the namespace dies, however it was started; the sandbox
+also dies with the process that started it. The code runs as the script `main.py` (the value of a final
+expression is printed, as in a notebook) under rlimits (CPU seconds, address space, file size, no core files)
+without capabilities, and with `no_new_privs`, so it cannot undo them. Stdout and stderr go to one file, bounded by the file size
+limit, whose head and tail come back; every limit hit is named in what the model reads. At most
+`max_concurrent` runs go at once per process (`start_sandbox`); more calls wait their turn.
 """
 
 from __future__ import annotations
@@ -26,19 +22,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import math
 import os
 import shutil
 import signal
-import sys
 import tempfile
+import threading
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Literal
 
+from tandem.config import ConfigError
+from tandem.config.env import SandboxConfig
+from tandem.envs.sandbox_isolation import Launcher, probe
 from tandem.envs.tools import Tool, ToolError, truncate
 
-SandboxOutcome = Literal["ok", "error", "timeout", "cpu", "memory", "killed"]
-"""How a sandboxed run ended: cleanly, with an error (or a MemoryError), at its wall or CPU limit, or by a signal."""
+logger = logging.getLogger(__name__)
+
+SandboxOutcome = Literal["ok", "error", "timeout", "cpu", "memory", "output", "file", "disk", "processes", "killed"]
+"""How a run ended: cleanly, with an error (or a MemoryError), or at a limit: wall clock, CPU, output size, a
+file's size, the temporary directory's size, the number of processes; or by a signal."""
+
+STARTUP_GRACE_S = 10.0
+"""The caller's own backstop waits this long past `wall_s` (PID 1 in the sandbox enforces `wall_s` itself)."""
+TMP_DIR = "sandbox-tmp"
+"""The run directory's folder for sandbox files (swept at start-up: a killed run's leftovers go on resume)."""
 
 
 @dataclass(frozen=True)
@@ -46,28 +56,33 @@ class SandboxLimits:
     """What one run may use."""
 
     wall_s: float = 10.0
-    """Wall-clock seconds before the process group is killed."""
+    """Wall-clock seconds before every process of the run is killed."""
     cpu_s: int = 10
     """CPU seconds (`RLIMIT_CPU`)."""
     memory_mb: int = 1024
-    """Address space in MiB (`RLIMIT_AS`); an allocation past it is a MemoryError."""
+    """Address space of each process in MiB (`RLIMIT_AS`); an allocation past it is a MemoryError."""
     file_mb: int = 16
-    """Largest file the code may write, in MiB (`RLIMIT_FSIZE`)."""
+    """Largest file the code may write, its output included, in MiB (`RLIMIT_FSIZE`)."""
+    tmp_mb: int = 64
+    """Size of the run's temporary directory (a tmpfs), all files together, in MiB."""
+    max_processes: int = 64
+    """Processes the run may have at once; past it every one is killed."""
     max_output_chars: int = 4000
     """Stdout and stderr together, cut to about this many characters (head and tail kept)."""
     subprocesses: bool = False
-    """Let the code start processes (they share the limits and die with the group; their number is unbounded)."""
+    """Let the code start processes (`subprocess`, `os.fork`, ...; they die with the run). Off, a Python audit
+    hook refuses them with a clear error; the process limit holds either way."""
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """How a run ended, its output (stdout and stderr interleaved, truncated) and the isolation it had."""
+    """How a run ended, its output (stdout and stderr interleaved, truncated) and the launcher that isolated it."""
 
     output: str
     outcome: SandboxOutcome
     exit_code: int | None
-    isolation: tuple[str, ...]
-    """Layers that held: `network-namespace` or `socket-block`, `read-only-fs`, `no-capabilities`."""
+    isolation: str
+    """`bubblewrap`, `namespaces` or `none` (`sandbox_isolation`)."""
     limits: SandboxLimits
 
     @property
@@ -83,6 +98,10 @@ class SandboxResult:
             "timeout": f"[killed after {limits.wall_s:g} s: wall-clock limit]",
             "cpu": f"[killed after {limits.cpu_s} s of CPU time: CPU limit]",
             "memory": f"[MemoryError: the memory limit is {limits.memory_mb} MiB]",
+            "output": f"[killed: output limit ({limits.file_mb} MiB) reached]",
+            "file": f"[killed: file size limit ({limits.file_mb} MiB) reached]",
+            "disk": f"[exit code {self.exit_code}: temporary directory limit ({limits.tmp_mb} MiB) reached]",
+            "processes": f"[killed: process limit ({limits.max_processes}) reached]",
             "killed": f"[killed by {_signal_name(self.exit_code)}]",
         }[self.outcome]
         output = self.output.rstrip("\n")
@@ -98,69 +117,200 @@ def _signal_name(exit_code: int | None) -> str:
         return f"signal {-(exit_code or 0)}"
 
 
-async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `code` as a script in the sandbox; never raises for anything the code does."""
-    limits = limits or SandboxLimits()
-    workdir = tempfile.mkdtemp(prefix="tandem-sandbox-")
-    # Output goes to an unlinked file, not a pipe: a process the code leaves behind cannot hold the run open
-    # (asyncio waits for a child's pipes to close), and RLIMIT_FSIZE bounds how much it can write.
-    with tempfile.TemporaryFile() as output_file:
+class SandboxUnavailable(ConfigError):
+    """No isolation on this machine and no opt-out: the run must not start."""
+
+
+class SandboxError(RuntimeError):
+    """A sandbox that could not start a run (a fault of the machine, not of the code)."""
+
+
+class _Slots:
+    """A process-wide cap on concurrent runs, awaitable from any event loop (each waiter is woken on its own)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self._used = limit, 0
+        self._lock = threading.Lock()
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._used < self.limit and not self._waiters:
+                self._used += 1
+                return
+            waiter = (loop, loop.create_future())
+            self._waiters.append(waiter)
         try:
-            Path(workdir, "main.py").write_text(code, encoding="utf-8")
-            status_read, status_write = os.pipe()
-            config = {**asdict(limits), "status_fd": status_write, "workdir": workdir}
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *(sys.executable, "-I", "-u", "-X", "utf8", "-c", _CHILD, json.dumps(config)),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=output_file,
-                    stderr=asyncio.subprocess.STDOUT,
-                    cwd=workdir,
-                    env=_child_env(workdir),
-                    start_new_session=True,
-                    pass_fds=(status_write,),
-                )
-            finally:
-                os.close(status_write)
-            with os.fdopen(status_read, "rb") as status:
-                timed_out = False
-                try:
-                    await asyncio.wait_for(proc.wait(), limits.wall_s)
-                except TimeoutError:
-                    timed_out = True
-                finally:  # on a timeout, a normal exit, and a cancelled call alike
-                    _kill_group(proc.pid)
-                    await proc.wait()
-                isolation = tuple(json.loads(status.read() or b"{}").get("isolation", ()))
+            await waiter[1]
+        except asyncio.CancelledError:
+            with self._lock:
+                queued = waiter in self._waiters
+                if queued:
+                    self._waiters.remove(waiter)
+            if not queued:  # the slot was handed over as the call was cancelled: pass it on
+                self._release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            if not self._waiters:
+                self._used -= 1
+                return
+            loop, future = self._waiters.popleft()  # the slot goes straight to the next waiter
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+
+
+@dataclass
+class _Settings:
+    """This process's sandbox settings (`start_sandbox`)."""
+
+    unsafe_no_isolation: bool = False
+    tmp_root: Path | None = None  # None: the system's temporary directory
+    swept: bool = False
+    announced: Launcher | None = None
+
+
+_settings = _Settings()
+_slots = _Slots(min(os.cpu_count() or 1, 8))
+
+
+def start_sandbox(config: SandboxConfig | None = None, run_dir: Path | None = None) -> None:
+    """Set this process's sandbox from a command's `[sandbox]` section; commands call it before they load
+    environments. The runs' files go to `<run_dir>/sandbox-tmp`, which is swept before the first run (of a run
+    that was killed, a resume removes what it left)."""
+    config = config or SandboxConfig()
+    _settings.unsafe_no_isolation = config.unsafe_no_isolation
+    _settings.tmp_root = None if run_dir is None else Path(run_dir) / TMP_DIR
+    _settings.swept = False
+    _slots.limit = config.max_concurrent or min(os.cpu_count() or 1, 8)
+
+
+def _tmp_root() -> Path | None:
+    """The directory of the runs' files (None: the system's), emptied the first time it is used."""
+    root = _settings.tmp_root
+    if root is not None and not _settings.swept:
+        shutil.rmtree(root, ignore_errors=True)
+        _settings.swept = True
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def require_isolation() -> Launcher:
+    """The launcher of this process's runs, logged the first time: the probe's, or `none` where the user opted
+    out; SandboxUnavailable where there is no isolation and no opt-out."""
+    found = probe()
+    launcher = found.launcher
+    if launcher is None:
+        if not _settings.unsafe_no_isolation:
+            raise SandboxUnavailable(
+                "the python tool needs a sandbox, and this machine has none ("
+                + "; ".join(found.refused)
+                + "): install bubblewrap (apt-get install bubblewrap) or allow user namespaces, or set "
+                "`sandbox.unsafe_no_isolation = true` to run model-written code unisolated"
+            )
+        launcher = Launcher("none")
+    if launcher != _settings.announced:
+        _settings.announced = launcher
+        if launcher.isolated:
+            logger.info("python sandbox: %s", launcher.describe())
+        else:
+            logger.warning("UNSAFE: python sandbox: %s; refused: %s", launcher.describe(), "; ".join(found.refused))
+    return launcher
+
+
+async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run `code` as a script in the sandbox; never raises for anything the code does (SandboxUnavailable where
+    there is no isolation, SandboxError where the sandbox itself cannot start)."""
+    limits = limits or SandboxLimits()
+    launcher = require_isolation()
+    async with _slots:
+        root = _tmp_root()
+        # Output goes to a file, not a pipe (RLIMIT_FSIZE bounds it, and nothing can hold the run open); the
+        # code comes on stdin. Only an unisolated run needs a directory on the host, removed afterwards.
+        workdir = None if launcher.isolated else tempfile.mkdtemp(prefix="run-", dir=root)
+        try:
+            with tempfile.TemporaryFile(dir=root) as output, tempfile.TemporaryFile(dir=root) as source:
+                source.write(code.encode("utf-8", errors="surrogateescape"))
+                source.seek(0)
+                report, exit_code, timed_out = await _launch(launcher, limits, source, output, workdir)
+                size = os.fstat(output.fileno()).st_size
+                text = _read_output(output, limits.max_output_chars)
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        output = _read_output(output_file, limits.max_output_chars)
-    exit_code = proc.returncode
-    return SandboxResult(output, _outcome(exit_code, timed_out, output), exit_code, isolation, limits)
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+    if "setup_error" in report or ("exit_code" not in report and not timed_out):
+        raise SandboxError(f"the sandbox could not start ({launcher.name}): {report.get('setup_error') or text}")
+    exit_code = report.get("exit_code", exit_code)
+    outcome = _outcome(exit_code, timed_out or report.get("limit") == "timeout", report, size, limits, text)
+    return SandboxResult(text, outcome, exit_code, launcher.name, limits)
 
 
-def _outcome(exit_code: int | None, timed_out: bool, output: str) -> SandboxOutcome:
+async def _launch(
+    launcher: Launcher, limits: SandboxLimits, source: IO[bytes], output: IO[bytes], workdir: str | None
+) -> tuple[dict, int | None, bool]:
+    """Start the run and wait for it (PID 1 inside ends it at `wall_s`; this waits a grace period longer); kill
+    what is left on any exit, a cancelled call included. Returns the child's report, exit code, and whether the
+    backstop fired."""
+    status_read, status_write = os.pipe()
+    config = {**asdict(limits), "tmp_bytes": limits.tmp_mb << 20, "status_fd": status_write, "workdir": workdir}
+    argv, env = launcher.command(config)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=source,
+            stdout=output,
+            stderr=asyncio.subprocess.STDOUT,
+            cwd=workdir or "/",
+            env=env,
+            start_new_session=True,
+            pass_fds=(status_write,),
+        )
+    finally:
+        os.close(status_write)
+    with os.fdopen(status_read, "rb") as status:
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), limits.wall_s + STARTUP_GRACE_S)
+        except TimeoutError:
+            timed_out = True
+        finally:  # the launcher's death takes the sandbox with it (--die-with-parent, PR_SET_PDEATHSIG)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        os.set_blocking(status.fileno(), False)  # PID 1 wrote its report (one small write) before it exited
+        try:
+            report = json.loads(status.read() or b"{}")
+        except (BlockingIOError, ValueError):
+            report = {}
+    return report, proc.returncode, timed_out
+
+
+def _outcome(
+    exit_code: int | None, timed_out: bool, report: dict, output_size: int, limits: SandboxLimits, text: str
+) -> SandboxOutcome:
     if timed_out:
         return "timeout"
+    if report.get("limit") == "processes":
+        return "processes"
     if exit_code == 0:
         return "ok"
+    if output_size >= limits.file_mb << 20:
+        return "output"
+    if exit_code == -signal.SIGXFSZ:
+        return "file"
     if exit_code in (-signal.SIGXCPU, -signal.SIGKILL):  # SIGXCPU at the soft CPU limit, SIGKILL at the hard one
         return "cpu"
     if exit_code is not None and exit_code < 0:
         return "killed"
-    last = output.rstrip().rsplit("\n", 1)[-1]
+    if report.get("tmp_full"):
+        return "disk"
+    last = text.rstrip().rsplit("\n", 1)[-1]
     return "memory" if last.startswith("MemoryError") else "error"
-
-
-def _child_env(workdir: str) -> dict[str, str]:
-    """Nothing of the caller's environment: no proxies, tokens or paths; numeric libraries single-threaded."""
-    threads = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", **threads}
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def _read_output(file: IO[bytes], max_chars: int) -> str:
@@ -176,8 +326,10 @@ def _read_output(file: IO[bytes], max_chars: int) -> str:
 
 
 def python_tool(limits: SandboxLimits | None = None, name: str = "python") -> Tool:
-    """The sandboxed Python tool, with its limits; a failed run (an exception, a limit) is a tool error."""
+    """The sandboxed Python tool, with its limits; a failed run (an exception, a limit) is a tool error.
+    SandboxUnavailable where this machine has no isolation and the run did not opt out."""
     limits = limits or SandboxLimits()
+    require_isolation()
 
     async def python(code: str) -> str:
         result = await run_python(code, limits)
@@ -196,137 +348,6 @@ def python_tool(limits: SandboxLimits | None = None, name: str = "python") -> To
         "required": ["code"],
         "additionalProperties": False,
     }
-    # the ToolBox's timeout is only a backstop: the sandbox kills the code itself, with a clearer message
-    return Tool(python, name, description, parameters, timeout_s=limits.wall_s + 30.0)
-
-
-python = python_tool()
-"""The built-in `python` tool with the default SandboxLimits."""
-
-
-# The child's prelude (run with -c: it must not import tandem). It sets the limits, reports the isolation it got
-# on the status fd, then runs main.py as __main__, printing a final expression's value and a traceback without
-# its own frame.
-_CHILD = r"""
-import ast, ctypes, json, os, resource, sys, traceback, types
-
-cfg = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000
-MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
-SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
-isolation = []
-
-
-class MountAttr(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("attr_set", "attr_clr", "propagation", "userns_fd")]
-
-
-def unshare():
-    uid, gid = os.geteuid(), os.getegid()
-    user = CLONE_NEWUSER if uid != 0 else 0
-    if libc.unshare(user | CLONE_NEWNS | CLONE_NEWNET) != 0:
-        return False
-    if user:  # keep our ids inside the new user namespace (unmapped, the code would see itself as nobody)
-        try:
-            for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-                with open(f"/proc/self/{path}", "w") as f:
-                    f.write(text)
-        except OSError:
-            pass
-    return True
-
-
-def setattr_mount(path, flags, attr_set, attr_clr):
-    attr = MountAttr(attr_set, attr_clr, 0, 0)
-    size = ctypes.sizeof(attr)
-    return libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path, flags, ctypes.byref(attr), size) == 0
-
-
-def read_only_root(workdir):
-    return (
-        libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
-        and libc.mount(workdir, workdir, None, MS_BIND, None) == 0
-        and setattr_mount(b"/", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0)
-        and setattr_mount(workdir, 0, 0, MOUNT_ATTR_RDONLY)
-    )
-
-
-def drop_capabilities():
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-    try:
-        last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
-    except OSError:
-        last_cap = 63
-    for cap in range(last_cap + 1):
-        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    data = (ctypes.c_uint32 * 6)()
-    return libc.capset(ctypes.byref(Header(0x20080522, 0)), data) == 0  # _LINUX_CAPABILITY_VERSION_3
-
-
-NET_EVENTS = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
-LOOKUPS = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"}
-PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system"}
-PROCESS_EVENTS |= {"subprocess.Popen", "pty.spawn"}
-
-
-def make_hook(block_network, block_processes):
-    me = os.getpid()
-
-    def hook(event, args):
-        if block_network and (event in LOOKUPS or (event in NET_EVENTS and args[0].family != 1)):  # 1: AF_UNIX
-            raise PermissionError(f"network access is disabled in this sandbox ({event})")
-        if block_processes and event in PROCESS_EVENTS:
-            raise PermissionError(f"starting processes is disabled in this sandbox ({event})")
-        if event in ("os.kill", "os.killpg") and args[0] not in (me, 0):
-            raise PermissionError("signalling other processes is disabled in this sandbox")
-
-    return hook
-
-
-workdir = cfg["workdir"].encode()
-namespaced = unshare()
-if namespaced:
-    isolation.append("network-namespace")
-    if read_only_root(workdir):
-        isolation.append("read-only-fs")
-    os.chdir(workdir)  # the inherited cwd is the directory under the bind mount, read-only now
-else:
-    isolation.append("socket-block")
-if drop_capabilities():
-    isolation.append("no-capabilities")
-for limit, value in (
-    (resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1)),
-    (resource.RLIMIT_AS, (cfg["memory_mb"] << 20,) * 2),
-    (resource.RLIMIT_FSIZE, (cfg["file_mb"] << 20,) * 2),
-    (resource.RLIMIT_CORE, (0, 0)),
-):
-    resource.setrlimit(limit, value)
-sys.addaudithook(make_hook(not namespaced, not cfg["subprocesses"]))
-with os.fdopen(cfg["status_fd"], "w") as status:
-    status.write(json.dumps({"isolation": isolation}))
-
-main = types.ModuleType("__main__")
-main.__file__ = "main.py"
-sys.modules["__main__"], sys.argv = main, ["main.py"]
-del cfg, libc, status
-try:
-    with open("main.py", encoding="utf-8") as f:
-        tree = ast.parse(f.read(), "main.py")
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, "main.py", "exec"), main.__dict__)
-    if last is not None:
-        value = eval(compile(ast.Expression(last.value), "main.py", "eval"), main.__dict__)
-        if value is not None:
-            print(repr(value))
-except SystemExit:
-    raise
-except BaseException as e:
-    tb = None if isinstance(e, SyntaxError) else e.__traceback__.tb_next  # the code's frames only
-    traceback.print_exception(type(e), e, tb)
-    sys.exit(1)
-"""
+    # No ToolBox timeout: the sandbox ends the code itself, with a clearer message, and a call that waits for a
+    # free slot has not started its clock (the episode's own timeout still bounds it).
+    return Tool(python, name, description, parameters, timeout_s=math.inf)

@@ -20,6 +20,7 @@ from rich.console import Console
 from tandem.client import OpenAIClient, RequestError
 from tandem.config import ConfigError
 from tandem.config.eval import EvalConfig
+from tandem.envs.sandbox import start_sandbox
 from tandem.eval.concurrency import AdaptiveLimiter, AimdController
 from tandem.eval.local_server import ServerStartError, local_server
 from tandem.eval.lock import run_lock
@@ -42,6 +43,7 @@ def run_eval(config: EvalConfig) -> int:
     """Check the config and sources, take the run directory's lock, run what is missing, summarise."""
     config = resumed_config(config) if config.resume is not None else config
     _check_runnable(config)
+    start_sandbox(config.sandbox, config.run_dir)
     sources = [load_source(source) for source in config.source]
     with run_lock(config.run_dir):
         if config.resume is None and (config.run_dir / TRACES).exists():

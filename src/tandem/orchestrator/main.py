@@ -28,6 +28,7 @@ from tandem.checkpoints import checkpoints_root, list_checkpoints
 from tandem.client import RequestError
 from tandem.config.orchestrator import OrchestratorConfig, RolloutSamplingConfig
 from tandem.envs import Message, MultiTurnTaskset, Task
+from tandem.envs.sandbox import start_sandbox
 from tandem.envs.tool_env import ToolTaskset
 from tandem.files import atomic_write_text
 from tandem.images import image_refs, inline_images
@@ -567,6 +568,7 @@ def run(config: OrchestratorConfig) -> int:
     from transformers import AutoTokenizer
 
     prepare_run_dir(config, "orchestrator")
+    start_sandbox(config.sandbox, config.run_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     orchestrator = Orchestrator(config, tokenizer, InferencePool(config.inference))
     asyncio.run(orchestrator.run(config.resume_step))
