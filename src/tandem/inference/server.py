@@ -370,15 +370,17 @@ class InferenceServer:
                     yield chunk
                 async with contextlib.aclosing(group.samples()) as samples:
                     async for _, sample in samples:
-                        if (chunk := reply.chunk(sample)) is not None:
+                        render = partial(reply.chunk, sample)  # a choice's last chunk parses its tool calls
+                        chunk = await asyncio.to_thread(render) if reply.parses(sample) else render()
+                        if chunk is not None:
                             yield chunk
                 for chunk in reply.tail(group.collectors[0]):
                     yield chunk
 
             return sse_response(chunks())
         await group.finish(request)
-        whole = partial(reply.whole, group.collectors[0])
-        return json_response(await asyncio.to_thread(whole) if body.logprobs else whole())  # off the loop, as above
+        whole = partial(reply.whole, group.collectors[0])  # off the loop, as above; so is parsing tool calls
+        return json_response(await asyncio.to_thread(whole) if body.logprobs or reply.parser else whole())
 
     async def update_weights(self, request: Request) -> Response:
         body = await self._parse(request, UpdateWeightsRequest)
