@@ -218,6 +218,20 @@ def test_a_reply_is_parsed_off_the_event_loop(make_engine, serve, tools_tokenize
     assert ("[DONE]" in result["reply"].text) if stream else result["reply"].json()["choices"][0]["finish_reason"]
 
 
+def test_tool_descriptions_count_toward_max_prompt_chars(make_engine, serve, tools_tokenizer):
+    """100 tools with 20 KB descriptions each and a one-word question (100 tools of 100 KB took 34 s to refuse):
+    the rendered prompt is over the limit, a 400 before the tokenizer runs, and the server serves on."""
+    server = serve(make_engine(seq_len=1024), tokenizer=tools_tokenizer)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    tools = [tool(f"t{i}", description="d" * 20_000) for i in range(100)]
+    messages = [{"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=r"max_prompt_chars = 32768 \(default 32 per token"):
+            client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=2, stream=stream)
+    answered = client.chat.completions.create(model="tiny", messages=messages, tools=[tool()], max_tokens=2)
+    assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_bad_tools_are_a_400_streaming_or_not(client):
     messages = [{"role": "user", "content": "hi"}]
     for stream in (False, True):

@@ -171,13 +171,15 @@ class InferenceServer:
         admin_token: str | None,
         weights_dir: Path,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_prompt_chars: int | None = None,
         trust_request_chat_template: bool = False,
         broadcast_hosts: Sequence[str] = (),
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.base_name = base_name
         """Served beside unfolded LoRA adapters (`model_name` then names the adapter): the base model alone."""
-        self.prompt_tokenizer = ContextTokenizer(tokenizer, engine.max_model_len)
+        self.prompt_tokenizer = ContextTokenizer(tokenizer, engine.max_model_len, max_prompt_chars)
+        """Tokenizes prompt text, refusing what cannot fit the context (over `max_prompt_chars` untokenized)."""
         self.weights_dir, self.max_body_bytes = weights_dir, max_body_bytes
         self.trust_request_chat_template = trust_request_chat_template
         self.admin = AdminGuard(admin_token)
