@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 
-from tandem.envs import Task, load_taskset, reward, run_episode
+from tandem.envs import Task, load_taskset, reward, run_episode, tool_parsers
 from tandem.envs.builtin.calculator import calculate
 from tandem.envs.tool_env import TOOLBOX_KEY, ToolTaskset
 from tandem.envs.tool_parsers import HermesParser
@@ -106,6 +107,42 @@ def test_calls_a_server_parsed_are_run_and_malformed_text_it_left_is_an_error():
     assert tools[0]["tool_call_id"] == "call_abc" and tools[0]["content"] == "42"
     assert "malformed" in tools[1]["content"]
     assert episode.score.metrics["tool_errors"] == 1.0
+
+
+class Recording(HermesParser):
+    """Hermes, noting the thread each reply is parsed on."""
+
+    name = "recording_hermes"
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def parse(self, text):
+        self.threads.append(threading.current_thread().name)
+        return super().parse(text)
+
+
+def test_hostile_replies_are_tool_errors_parsed_off_the_event_loop(monkeypatch):
+    """A 4,301-digit integer, JSON 1,000 deep and 80,000 unclosed tags: each a malformed call the model reads, the
+    episode goes on (these once raised out of the parser and ended `tandem rl`)."""
+    recording = Recording()
+    monkeypatch.setitem(tool_parsers._PARSERS, Recording.name, recording)
+    taskset = load_taskset("calculator", num_tasks=1)
+    monkeypatch.setattr(taskset, "tool_parser", Recording.name)
+    task = taskset.tasks()[0]
+    replies = [
+        '<tool_call>{"name": "calculate", "arguments": {"expression": ' + "1" * 4301 + "}}</tool_call>",
+        '<tool_call>{"name": "calculate", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>",
+        "<tool_call>" * 80_000,
+        "I give up.",
+    ]
+    episode = play(taskset, task, scripted(*replies))
+    texts = [m["content"] for m in episode.completion if m["role"] == "tool"]
+    assert episode.outcome == "ok" and len(texts) == 3
+    assert "more than 1000 digits" in texts[0] and "1001 deep" in texts[1] and "without a closing" in texts[2]
+    assert all(t.startswith("Error: malformed tool call:") for t in texts)
+    assert episode.score.metrics["tool_errors"] == 3.0
+    assert len(recording.threads) == 4 and threading.main_thread().name not in recording.threads
 
 
 class Slow(ToolTaskset):

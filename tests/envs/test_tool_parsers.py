@@ -103,6 +103,79 @@ def test_hermes_keeps_good_calls_around_a_bad_one():
     assert reply.content == "tail </tool_call> stray"
 
 
+HUGE_INTEGER = "7" * 4301  # past Python's int-str conversion limit: json.loads raises ValueError
+DEEP = "[" * 1000 + "]" * 1000  # past the interpreter's stack: json.loads raises RecursionError
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (f'{{"n": {HUGE_INTEGER}}}', "has a number of more than 1000 digits"),
+        (f'{{"n": -{HUGE_INTEGER}.5e{HUGE_INTEGER}}}', "has a number of more than 1000 digits"),
+        (f'{{"n": {DEEP}}}', "nests arrays and objects 1002 deep, more than 64"),  # the call's two objects too
+        ('{"n": ' * 1000 + "1" + "}" * 1000, "nests arrays and objects 1001 deep, more than 64"),
+        ("[" * 100_000, "nests arrays and objects 100001 deep, more than 64"),
+    ],
+    ids=["huge-integer", "huge-float", "deep-arrays", "deep-objects", "unclosed-arrays"],
+)
+def test_hostile_json_in_a_block_is_a_malformed_call(arguments, message):
+    reply = hermes.parse("x " + block(f'{{"name": "add", "arguments": {arguments}}}') + block('{"name": "now"}'))
+    (error,) = reply.errors
+    assert error.message == f"the text inside <tool_call> {message}"
+    assert [c.name for c in reply.calls] == ["now"] and reply.content == "x"
+
+
+def test_brackets_and_digits_inside_json_strings_are_text():
+    code = "print(" + "[" * 1000 + HUGE_INTEGER + "]" * 1000 + ")"
+    (call,) = hermes.parse(block(json.dumps({"name": "python", "arguments": {"code": code}}))).calls
+    assert call.arguments == {"code": code}
+
+
+class CountedText(str):
+    """A reply that counts the characters its `find`/`rfind` searches pass over: the parser's work."""
+
+    def __new__(cls, text: str):
+        self = super().__new__(cls, text)
+        self.scanned = 0
+        return self
+
+    def find(self, sub, start=0, end=None):
+        end = len(self) if end is None else end
+        found = str.find(self, sub, start, end)
+        self.scanned += (end if found == -1 else found + len(sub)) - start
+        return found
+
+    def rfind(self, sub, start=0, end=None):
+        end = len(self) if end is None else end
+        found = str.rfind(self, sub, start, end)
+        self.scanned += end - (start if found == -1 else found)
+        return found
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<tool_call>"] * 80_000,  # the issue's reply: 80,000 unclosed tags
+        ["<tool_call>{", "</tool_call>", " text "] * 20_000,
+        [*["<tool_call>{"] * 20_000, block('{"name": "now"}')] * 4 + ["</tool_call>"] * 20_000,
+    ],
+    ids=["unclosed", "closed-empty", "runs-then-stray-closes"],
+)
+def test_parsing_is_linear_in_the_reply(pieces):
+    text = CountedText("".join(pieces))
+    reply = hermes.parse(text)
+    assert text.scanned <= 4 * len(text)  # quadratic: each unclosed tag searched the rest of the reply
+    blocks = text.count("<tool_call>")
+    assert len(reply.calls) + len(reply.errors) <= min(blocks, text.count("</tool_call>") + 1)
+    assert all(e.message.startswith(("<tool_call> without", "the text inside")) for e in reply.errors)
+
+
+def test_a_run_of_unclosed_blocks_is_one_malformed_block():
+    reply = hermes.parse("a <tool_call>x<tool_call>y " + block('{"name": "now"}') + " b <tool_call>z<tool_call>")
+    assert [e.text for e in reply.errors] == ["<tool_call>x<tool_call>y ", "<tool_call>z<tool_call>"]
+    assert [c.name for c in reply.calls] == ["now"] and reply.content == "a  b"
+
+
 def test_render_parse_round_trip():
     calls = [ToolCall("add", {"a": 1, "b": 2}), ToolCall("python", {"code": 'print("é\\n")', "opts": {"x": [1, None]}})]
     text = hermes.render(calls, content="I will use tools.")

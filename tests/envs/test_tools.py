@@ -248,6 +248,12 @@ def test_openai_tool_call_entries():
     result = run(box.execute(bad_json))
     assert result.is_error and result.error == "malformed" and "not valid JSON" in result.content
     assert result.tool_call_id == "call_y"
+    for arguments, problem in (
+        ("[" * 5000, "nests arrays and objects 5000 deep"),
+        ("9" * 4301, "has a number of more than 1000 digits"),
+    ):
+        hostile = run(box.execute({"id": "call_h", "function": {"name": "add", "arguments": arguments}}))
+        assert hostile.error == "malformed" and f"the arguments string {problem}" in hostile.content
     no_function = run(box.execute({"id": "call_z"}))
     assert no_function.error == "malformed" and "no 'function'" in no_function.content
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from support.inference import SEQ_LEN
 from support.polling import wait_until
 from tandem.inference import client_template
 from tandem.inference.http import OFF_LOOP_BYTES
@@ -69,7 +70,7 @@ class HeldTokenizer:
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_health_answers_while_a_huge_prompt_is_being_tokenized(route, make_engine, serve, tokenizer):
     held = HeldTokenizer(tokenizer)
-    server = serve(make_engine(), tokenizer=held)
+    server = serve(make_engine(), tokenizer=held, max_prompt_chars=2_000_000)  # a prompt the tokenizer gets
     text = HeldTokenizer.MARK + " the quick brown fox" * 50_000  # 1 MB: far beyond the context
     body = (
         {"prompt": text, "max_tokens": 4}
@@ -112,7 +113,7 @@ class SpyTokenizer:
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_a_prompt_far_beyond_the_context_is_refused_from_its_beginning(route, make_engine, serve, tokenizer):
     spy = SpyTokenizer(tokenizer)
-    server = serve(make_engine(), tokenizer=spy)
+    server = serve(make_engine(), tokenizer=spy, max_prompt_chars=10**6)  # under it: the beginning is tried
     text = "the quick brown fox jumps over the lazy dog. " * 5000  # 225k characters, the context 256 tokens
     body = {"prompt": text} if route == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
     reply = httpx.post(f"{server.url}{route}", json=body)
@@ -120,6 +121,41 @@ def test_a_prompt_far_beyond_the_context_is_refused_from_its_beginning(route, ma
     assert spy.lengths and max(spy.lengths) < len(text) // 10  # only a beginning was tokenized
     fits = {"prompt": text[:200]} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(f"{server.url}{route}", json={**fits, "max_tokens": 2}).status_code == 200
+
+
+def _prompt_body(route: str, text: str) -> dict:
+    return {"prompt": text} if route == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_text_over_max_prompt_chars_is_refused_before_the_tokenizer_runs(route, make_engine, serve, tokenizer):
+    """A 1 MB prompt without whitespace (tokenized whole it took seconds and hundreds of MB; 10 MB, 17 s and
+    2.6 GB): a 400 naming the limit, the tokenizer never called, and the server answers the next request."""
+    spy = SpyTokenizer(tokenizer)
+    server = serve(make_engine(), tokenizer=spy)
+    limit = 32 * SEQ_LEN  # the default: 32 characters per token of the context
+    bodies = [_prompt_body(route, "x" * 1_000_000), _prompt_body(route, "x" * (limit + 1))]
+    if route == "/v1/completions":
+        bodies.append({"prompt": ["hello", "x" * 1_000_000]})
+    for body in bodies:
+        reply = httpx.post(f"{server.url}{route}", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert f"more than this server tokenizes: max_prompt_chars = {limit}" in reply.json()["error"]["message"]
+        assert all(length <= limit for length in spy.lengths)
+    assert max(spy.lengths, default=0) <= len("hello")
+    # under the limit (a chat template adds a few characters) the text is tokenized, and refused for the context
+    at_limit = httpx.post(f"{server.url}{route}", json=_prompt_body(route, "ab " * ((limit - 100) // 3)), timeout=60)
+    assert at_limit.status_code == 400 and "max_prompt_chars" not in at_limit.json()["error"]["message"]
+    fits = httpx.post(f"{server.url}{route}", json={**_prompt_body(route, "hello"), "max_tokens": 2}, timeout=60)
+    assert fits.status_code == 200 and httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_max_prompt_chars_is_configurable(make_engine, serve):
+    server = serve(make_engine(), max_prompt_chars=100)
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a " * 51, "max_tokens": 2})
+    assert reply.status_code == 400 and "102 characters" in reply.json()["error"]["message"]
+    assert "max_prompt_chars = 100" in reply.json()["error"]["message"]
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "a " * 50, "max_tokens": 2}).status_code == 200
 
 
 def test_a_large_json_body_is_parsed_and_served(server):

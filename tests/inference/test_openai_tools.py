@@ -7,12 +7,15 @@ server builds its choices with; the round trips check what the server renders an
 from __future__ import annotations
 
 import json
+import threading
+from functools import partial
 
+import httpx
 import openai
 import pytest
 
-from tandem.envs.tool_parsers import parser_for
-from tandem.inference import openai_api
+from tandem.envs.tool_parsers import HermesParser, parser_for
+from tandem.inference import openai_api, tool_calls
 from tandem.inference.tool_calls import ToolStream, checked_tools, template_message
 
 HERMES = parser_for("hermes")
@@ -156,6 +159,77 @@ def test_tools_and_earlier_calls_are_rendered_and_accepted(client, tools_tokeniz
         model="tiny", messages=CONVERSATION, tools=[add], tool_choice=named, max_tokens=1
     )
     assert forced.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problem"),
+    [
+        ('{"a": ' + "[" * 1000 + "]" * 1000 + "}", "nests arrays and objects 1001 deep, more than 64"),
+        ('{"a": ' + "7" * 4301 + "}", "has a number of more than 1000 digits"),
+    ],
+    ids=["deep", "huge-integer"],
+)
+def test_hostile_call_arguments_in_the_history_are_a_400_and_the_server_carries_on(client, arguments, problem):
+    history = [CONVERSATION[0], {**CONVERSATION[1], "tool_calls": [{**CONVERSATION[1]["tool_calls"][0]}]}]
+    history[1]["tool_calls"][0] = {**history[1]["tool_calls"][0], "function": {"name": "add", "arguments": arguments}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=history, tools=[tool()], max_tokens=2, stream=stream)
+        assert refused.value.status_code == 400
+        assert f"messages[1].tool_calls[0].function.arguments: {problem}" in refused.value.message
+    answered = client.chat.completions.create(model="tiny", messages=CONVERSATION, tools=[tool()], max_tokens=2)
+    assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+class HeldParser(HermesParser):
+    """Hermes, except that parsing a reply waits until the test lets it go: the test sees where parsing runs
+    without depending on how long it takes."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def parse(self, text):
+        self.started.set()
+        assert self.release.wait(60), "the test never released the parser"
+        return super().parse(text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_is_parsed_off_the_event_loop(make_engine, serve, tools_tokenizer, monkeypatch, stream):
+    held = HeldParser()
+    monkeypatch.setattr(tool_calls, "reply_parser", lambda template: held)
+    # a tiny random model writes no call: an empty open tag makes a stream hold the whole reply and parse it last
+    monkeypatch.setattr(tool_calls, "ToolStream", partial(ToolStream, open_tag=""))
+    server = serve(make_engine(seq_len=1024), tokenizer=tools_tokenizer)
+    body = {"messages": CONVERSATION, "tools": [tool()], "max_tokens": 3, "stream": stream}
+    result = {}
+    chat = threading.Thread(
+        target=lambda: result.update(reply=httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120))
+    )
+    chat.start()
+    try:
+        assert held.started.wait(60), "the reply never reached the parser"
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # while the parser is held
+        assert chat.is_alive()
+    finally:
+        held.release.set()
+        chat.join(120)
+    assert result["reply"].status_code == 200
+    assert ("[DONE]" in result["reply"].text) if stream else result["reply"].json()["choices"][0]["finish_reason"]
+
+
+def test_tool_descriptions_count_toward_max_prompt_chars(make_engine, serve, tools_tokenizer):
+    """100 tools with 20 KB descriptions each and a one-word question (100 tools of 100 KB took 34 s to refuse):
+    the rendered prompt is over the limit, a 400 before the tokenizer runs, and the server serves on."""
+    server = serve(make_engine(seq_len=1024), tokenizer=tools_tokenizer)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    tools = [tool(f"t{i}", description="d" * 20_000) for i in range(100)]
+    messages = [{"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=r"max_prompt_chars = 32768 \(default 32 per token"):
+            client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=2, stream=stream)
+    answered = client.chat.completions.create(model="tiny", messages=messages, tools=[tool()], max_tokens=2)
+    assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_bad_tools_are_a_400_streaming_or_not(client):

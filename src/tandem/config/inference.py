@@ -27,6 +27,8 @@ class InferenceConfig(RunConfig):
     """Bearer token required by the admin routes (/update_weights, /pause, /resume; default: $TANDEM_ADMIN_TOKEN)."""
     max_body_bytes: int = Field(32 * 2**20, ge=1024)
     """Largest request body accepted (larger ones get 413); the default, 32 MiB, holds a 128k-token prompt."""
+    max_prompt_chars: int | None = Field(None, ge=1)
+    """Longest prompt text tokenized (a completion's prompt; a chat's messages and tools as rendered); longer ones get 400 before the tokenizer runs (default: 32 x seq_len)."""
     trust_request_chat_template: bool = False
     """Let chat requests bring their own Jinja chat template (chat_template_kwargs.chat_template; size and time limited)."""
     broadcast_hosts: list[str] = Field(default_factory=list)

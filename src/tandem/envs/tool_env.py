@@ -15,6 +15,7 @@ the engine's raw text, parsed here with `tool_parser`.
 
 from __future__ import annotations
 
+import asyncio
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -60,7 +61,7 @@ class ToolTaskset(MultiTurnTaskset):
         )
 
     async def step(self, task: Task, messages: list[Message], state: dict[str, Any]) -> Answer:
-        calls = calls_in_reply(messages[-1], self.parser)
+        calls = await asyncio.to_thread(calls_in_reply, messages[-1], self.parser)  # a reply's length of work
         if not calls:
             return await maybe_await(self.respond(task, messages, state))
         box = state.setdefault(TOOLBOX_KEY, self._toolbox())

@@ -1,7 +1,9 @@
 """Tool calls in a model's reply text: one parser per model family, chosen by model type or chat template.
 
 A parser splits a reply into the message content, the calls, and the blocks it could not read; a malformed
-block is an entry in that last list (it goes back to the model as a tool error), never an exception.
+block is an entry in that last list (it goes back to the model as a tool error), never an exception: a reply is
+hostile text, so JSON is read with its nesting and numbers bounded (`tandem.envs.bounded_json`) and parsing
+takes time linear in the reply's length.
 `render` is the inverse: the text a model of the family writes for given calls.
 
 Adding a family: subclass `ToolParser` (a `name`, `parse`, `render`) and register an instance with the model
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.envs import bounded_json
 from tandem.envs.base import Message, last_assistant_text
 from tandem.envs.tools import MalformedCall, ToolCall
 
@@ -38,7 +41,8 @@ class ToolParser(ABC):
 
     @abstractmethod
     def parse(self, text: str) -> ParsedReply:
-        """Split a reply into content, calls and malformed blocks."""
+        """Split a reply into content, calls and malformed blocks. The reply is the policy's: never raise (read
+        JSON with `bounded_json.loads`), and take time linear in its length."""
 
     @abstractmethod
     def render(self, calls: Sequence[ToolCall], content: str = "") -> str:
@@ -56,32 +60,38 @@ class HermesParser(ToolParser):
     open_tag, close_tag = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> ParsedReply:
+        """Linear in the reply's length: each search starts where the last one of its tag ended (a reply of many
+        unclosed tags would be quadratic otherwise), and a run of unclosed blocks is one malformed block."""
+        opening, closing = self.open_tag, self.close_tag
         content: list[str] = []
         calls: list[ToolCall] = []
         errors: list[MalformedCall] = []
-        pos = 0
-        while (start := text.find(self.open_tag, pos)) != -1:
+        pos, start = 0, text.find(opening)
+        end = text.find(closing)  # the first close tag at or after the current block's body, -1 when none is left
+        while start != -1:
             content.append(text[pos:start])
-            body_start = start + len(self.open_tag)
-            end = text.find(self.close_tag, body_start)
-            reopened = text.find(self.open_tag, body_start)
+            body_start = start + len(opening)
+            if end != -1 and end < body_start:
+                end = text.find(closing, body_start)
+            reopened = text.find(opening, body_start)
             if end == -1 or -1 < reopened < end:
-                stop = len(text) if reopened == -1 else reopened
-                errors.append(MalformedCall(text[start:stop], f"{self.open_tag} without a closing {self.close_tag}"))
-                pos = stop
+                # unclosed: everything up to the open tag that `end` closes (or the reply's end) is one block
+                stop = len(text) if end == -1 else text.rfind(opening, reopened, end)
+                errors.append(MalformedCall(text[start:stop], f"{opening} without a closing {closing}"))
+                pos, start = stop, (-1 if end == -1 else stop)
                 continue
             call = self._read(text[body_start:end])
             (calls if isinstance(call, ToolCall) else errors).append(call)
-            pos = end + len(self.close_tag)
+            pos, start = end + len(closing), reopened
         content.append(text[pos:])
         return ParsedReply("".join(content).strip(), calls, errors)
 
     def _read(self, body: str) -> ToolCall | MalformedCall:
         raw = f"{self.open_tag}{body}{self.close_tag}"
         try:
-            value = json.loads(body)
-        except json.JSONDecodeError as e:
-            return MalformedCall(raw, f"the text inside {self.open_tag} is not valid JSON ({e})")
+            value = bounded_json.loads(body)
+        except bounded_json.JsonRefused as e:
+            return MalformedCall(raw, f"the text inside {self.open_tag} {e}")
         if not isinstance(value, dict):
             return MalformedCall(
                 raw, f'expected a JSON object {{"name": ..., "arguments": {{...}}}}, got {body.strip()!r}'

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tandem.envs import bounded_json
 from tandem.envs.base import Message
 
 JsonSchema = dict[str, Any]
@@ -68,9 +69,9 @@ class ToolCall:
             return MalformedCall(raw, "the call has no function name", call_id)
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as e:
-                return MalformedCall(raw, f"arguments are not valid JSON ({e})", call_id)
+                arguments = bounded_json.loads(arguments) if arguments.strip() else {}
+            except bounded_json.JsonRefused as e:
+                return MalformedCall(raw, f"the arguments string {e}", call_id)
         if not isinstance(arguments, dict):
             return MalformedCall(raw, f"arguments must be a JSON object, got {type(arguments).__name__}", call_id)
         return cls(name, arguments, call_id)

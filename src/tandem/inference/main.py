@@ -234,6 +234,7 @@ def run(config: InferenceConfig) -> int:
             admin_token=admin_token,
             weights_dir=config.weights_dir or config.output_dir,
             max_body_bytes=config.max_body_bytes,
+            max_prompt_chars=config.max_prompt_chars,
             trust_request_chat_template=config.trust_request_chat_template,
             broadcast_hosts=config.broadcast_hosts,
         )

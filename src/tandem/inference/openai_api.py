@@ -139,7 +139,7 @@ def chat_prompt(
     """The conversation (and `tools`, if any) rendered by the tokenizer's chat template, as token ids."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestRefused("this model's tokenizer has no chat template; use /v1/completions")
-    messages = [tool_calls.template_message(message.template_dict()) for message in body.messages]
+    messages = [tool_calls.template_message(m.template_dict(), f"messages[{i}]") for i, m in enumerate(body.messages)]
     extra = {"tools": list(tools)} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
@@ -322,6 +322,11 @@ class ChatReply:
             self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
             for i in range(self.body.n)
         ]
+
+    def parses(self, update: SampleUpdate) -> bool:
+        """Whether `chunk(update)` parses a whole reply's tool calls (its choice's last update, with tools): the
+        work of a reply's length, for a worker thread."""
+        return self._streams is not None and update.finish_reason is not None
 
     def chunk(self, update: SampleUpdate) -> ChatCompletionChunk | None:
         """The streamed chunk of a sample's update; None when it has nothing to show."""

@@ -171,13 +171,15 @@ class InferenceServer:
         admin_token: str | None,
         weights_dir: Path,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_prompt_chars: int | None = None,
         trust_request_chat_template: bool = False,
         broadcast_hosts: Sequence[str] = (),
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.base_name = base_name
         """Served beside unfolded LoRA adapters (`model_name` then names the adapter): the base model alone."""
-        self.prompt_tokenizer = ContextTokenizer(tokenizer, engine.max_model_len)
+        self.prompt_tokenizer = ContextTokenizer(tokenizer, engine.max_model_len, max_prompt_chars)
+        """Tokenizes prompt text, refusing what cannot fit the context (over `max_prompt_chars` untokenized)."""
         self.weights_dir, self.max_body_bytes = weights_dir, max_body_bytes
         self.trust_request_chat_template = trust_request_chat_template
         self.admin = AdminGuard(admin_token)
@@ -370,15 +372,17 @@ class InferenceServer:
                     yield chunk
                 async with contextlib.aclosing(group.samples()) as samples:
                     async for _, sample in samples:
-                        if (chunk := reply.chunk(sample)) is not None:
+                        render = partial(reply.chunk, sample)  # a choice's last chunk parses its tool calls
+                        chunk = await asyncio.to_thread(render) if reply.parses(sample) else render()
+                        if chunk is not None:
                             yield chunk
                 for chunk in reply.tail(group.collectors[0]):
                     yield chunk
 
             return sse_response(chunks())
         await group.finish(request)
-        whole = partial(reply.whole, group.collectors[0])
-        return json_response(await asyncio.to_thread(whole) if body.logprobs else whole())  # off the loop, as above
+        whole = partial(reply.whole, group.collectors[0])  # off the loop, as above; so is parsing tool calls
+        return json_response(await asyncio.to_thread(whole) if body.logprobs or reply.parser else whole())
 
     async def update_weights(self, request: Request) -> Response:
         body = await self._parse(request, UpdateWeightsRequest)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tandem.envs import bounded_json
 from tandem.envs.tool_parsers import ToolParser, format_tool_calls, parser_for
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -63,23 +64,27 @@ def _tool_name(index: int, tool: Any) -> str:
     return name
 
 
-def template_message(message: dict[str, Any]) -> dict[str, Any]:
+def template_message(message: dict[str, Any], where: str = "message") -> dict[str, Any]:
     """A request message as chat templates read it: an assistant's `tool_calls` arguments as an object (OpenAI
-    sends a JSON string; templates such as Qwen's `tojson` them, which would quote the string again)."""
+    sends a JSON string; templates such as Qwen's `tojson` them, which would quote the string again). Arguments
+    that are not JSON are rendered as the text they are; ones nested too deep or with too long a number
+    (`tandem.envs.bounded_json`) raise ValueError naming the field (`where`: the message's)."""
     calls = message.get("tool_calls")
     if not isinstance(calls, list):
         return message
-    return {**message, "tool_calls": [_template_call(call) for call in calls]}
+    return {**message, "tool_calls": [_template_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(calls)]}
 
 
-def _template_call(call: Any) -> Any:
+def _template_call(call: Any, where: str) -> Any:
     function = call.get("function") if isinstance(call, Mapping) else None
     arguments = function.get("arguments") if isinstance(function, Mapping) else None
     if not isinstance(arguments, str):
         return call
     try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+        parsed = bounded_json.loads(arguments) if arguments.strip() else {}
+    except bounded_json.JsonTooLarge as error:
+        raise ValueError(f"{where}.function.arguments: {error}") from None
+    except bounded_json.JsonRefused:
         return call  # the template renders the text as it came
     return {**call, "function": {**function, "arguments": parsed}}
 
@@ -105,11 +110,11 @@ def finish_reason(calls: list[dict[str, Any]] | None, engine_reason: str) -> str
 class ToolStream:
     """One streamed choice's text with tools on: content deltas pass through until a call may begin (the open
     tag, or a prefix of it at the end), then the rest is held and parsed when the choice finishes; the calls go
-    out in that last delta."""
+    out in that last delta. Held text is kept as its pieces and joined once, so a long reply costs its length."""
 
     def __init__(self, parser: ToolParser, open_tag: str = "<tool_call>") -> None:
         self.parser, self.open_tag = parser, open_tag
-        self.held = ""
+        self.held: list[str] = []
         self.calling = False
 
     def update(
@@ -120,25 +125,23 @@ class ToolStream:
         sent = self._feed(text)
         if engine_reason is None:
             return sent, None, None
-        if self.calling:
-            rest, calls = tool_reply(self.held, self.parser)
-        else:
-            rest, calls = self.held, None
-        self.held = ""
+        held, self.held = "".join(self.held), []
+        rest, calls = tool_reply(held, self.parser) if self.calling else (held, None)
         content = sent + (rest or "")
         indexed = None if calls is None else [{"index": i, **call} for i, call in enumerate(calls)]
         return content, indexed, finish_reason(calls, engine_reason)
 
     def _feed(self, text: str) -> str:
-        self.held += text
+        self.held.append(text)
         if self.calling:
             return ""
-        start = self.held.find(self.open_tag)
+        pending = "".join(self.held)  # a prefix of the open tag at most, and this update's text
+        start = pending.find(self.open_tag)
         if start != -1:
             self.calling = True
-            sent, self.held = self.held[:start], self.held[start:]
-            return sent
-        keep = next((k for k in range(len(self.open_tag) - 1, 0, -1) if self.held.endswith(self.open_tag[:k])), 0)
-        cut = len(self.held) - keep
-        sent, self.held = self.held[:cut], self.held[cut:]
-        return sent
+            self.held = [pending[start:]]
+            return pending[:start]
+        keep = next((k for k in range(len(self.open_tag) - 1, 0, -1) if pending.endswith(self.open_tag[:k])), 0)
+        cut = len(pending) - keep
+        self.held = [pending[cut:]]
+        return pending[:cut]
