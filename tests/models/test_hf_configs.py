@@ -40,9 +40,11 @@ CASES: dict[str, dict[str, Any]] = {
     "Qwen3MoeForCausalLM": tiny_config("qwen3_moe", vocab_size=VOCAB),
     "DeepseekV3ForCausalLM": DEEPSEEK_V3,
     "DeepseekV32ForCausalLM": {
-        **DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
-        "index_n_heads": 9, "index_head_dim": 12, "index_topk": 4,
-    },  # fmt: skip
+        **DEEPSEEK_V3,
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "model_type": "deepseek_v32",
+        **{"index_n_heads": 9, "index_head_dim": 12, "index_topk": 4},
+    },
     "Glm4MoeForCausalLM": GLM4_MOE,
     "Qwen3NextForCausalLM": QWEN3_NEXT,
     "Qwen3_5ForCausalLM": QWEN3_5,
