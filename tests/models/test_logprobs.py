@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from support.tolerance import assert_close_scaled
 from tandem.models import IGNORE_INDEX, cross_entropy, load_model, reference_token_logprobs, token_logprobs
 
 VOCAB, HIDDEN, TOKENS = 97, 16, 37
@@ -121,7 +122,8 @@ def test_cuda_bf16_weight_gradient_close_to_fp32_reference():
         out = token_logprobs(hidden.to(dtype), w, targets, temperature=0.8, kept_matrix=kept, chunk_size=8)
         grads.append(torch.autograd.grad((g * out.logprobs).sum() + out.entropy.sum(), w)[0])
     assert grads[0].dtype == torch.bfloat16
-    torch.testing.assert_close(grads[0].float(), grads[1], rtol=5e-2, atol=5e-3)
+    # bf16 inputs and output rounding: ~0.5 bf16 ulps of the largest gradient on CPU; 2 ulps is 1.6% of it
+    assert_close_scaled(grads[0].float(), grads[1], 2, dtype=torch.bfloat16, msg="bf16 weight gradient")
 
 
 def test_model_forward_with_targets(model_dir):

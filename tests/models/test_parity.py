@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from support.model_parity import TOL, assert_packed_parity, assert_padded_parity
+from support.model_parity import assert_packed_parity, assert_padded_parity
+from support.tolerance import K_REFERENCE, assert_close_scaled
 from tandem.models import load_model, model_args
 from tandem.models.layers import inv_frequencies
 from tandem.testing import write_tiny_model
@@ -58,5 +59,4 @@ def test_rope_scaling_matches_transformers(case, tmp_path):
     ids = torch.randint(3, model.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     pos = 1000 + torch.arange(40)[None]  # far positions, where the scaling matters (one document)
     with torch.no_grad():
-        diff = (model(ids, position_ids=pos) - hf(ids, position_ids=pos).logits).abs().max().item()
-    assert diff < TOL, f"{case}: max abs diff {diff:.2e} >= {TOL}"
+        assert_close_scaled(model(ids, position_ids=pos), hf(ids, position_ids=pos).logits, K_REFERENCE, msg=case)

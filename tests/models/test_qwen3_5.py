@@ -18,7 +18,8 @@ from transformers import (
 
 from support.hybrid_models import PERTURB, QWEN3_5, QWEN3_5_MOE
 from support.hybrid_parity import assert_packed_row_equals_documents, assert_padded_and_causal_parity
-from support.model_parity import TOL, assert_round_trips_through_transformers, hf_load, write_hf_model
+from support.model_parity import assert_round_trips_through_transformers, hf_load, write_hf_model
+from support.tolerance import K_REFERENCE, assert_close_scaled, ulps_apart
 from tandem.models import load_model, model_args, save_model
 
 CONFIGS = {"dense": {**QWEN3_5, "vocab_size": 256}, "moe": {**QWEN3_5_MOE, "vocab_size": 256}}
@@ -62,6 +63,19 @@ def test_packed_row_equals_documents_in_values_and_gradients(model_dir):
     assert_packed_row_equals_documents(load_model(model_dir), "linear_attn")
 
 
+def test_the_scaled_bound_fails_a_weight_one_percent_off(model_dir):
+    """The dtype-scaled tolerance is not vacuous: one attention output weight scaled by 1.01 lands far outside K_REFERENCE."""
+    model, hf = load_model(model_dir).eval(), hf_load(model_dir)
+    ids = torch.randint(3, model.args.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        assert_close_scaled(model(ids), want, K_REFERENCE)
+        model.layers[1].self_attn.o_proj.weight.mul_(1.01)
+        assert ulps_apart(model(ids), want) > 4 * K_REFERENCE
+        with pytest.raises(AssertionError, match="ulps"):
+            assert_close_scaled(model(ids), want, K_REFERENCE)
+
+
 def test_the_text_decoder_of_a_multimodal_checkpoint_loads_and_saves_as_text(tmp_path, family):
     config_cls, model_cls, text_architecture = MULTIMODAL[family]
     text = {k: v for k, v in CONFIGS[family].items() if k not in ("architectures", "model_type", "torch_dtype")}
@@ -72,10 +86,10 @@ def test_the_text_decoder_of_a_multimodal_checkpoint_loads_and_saves_as_text(tmp
     ids = torch.randint(3, text["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
-        assert (model(ids) - expected).abs().max() < TOL
+        assert_close_scaled(model(ids), expected, K_REFERENCE, msg="multimodal checkpoint")
 
     save_model(model, tmp_path / "text")
     saved = json.loads((tmp_path / "text" / "config.json").read_text())
     assert saved["architectures"] == [text_architecture]
     with torch.no_grad():
-        assert (hf_load(tmp_path / "text")(ids).logits - expected).abs().max() < TOL
+        assert_close_scaled(hf_load(tmp_path / "text")(ids).logits, expected, K_REFERENCE, msg="saved as text")

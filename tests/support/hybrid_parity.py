@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from support.model_parity import PACKED_ROWS, TOL, assert_padded_parity, packed
+from support.model_parity import PACKED_ROWS, assert_padded_parity, packed
+from support.tolerance import K_REFERENCE, K_SCAN, K_SCAN_GRADIENT, assert_close_scaled, ulps_apart
 from tandem.models import KVCache
 from tandem.models.layers.state_cache import StateCache
 
@@ -24,8 +25,7 @@ def assert_padded_and_causal_parity(model: torch.nn.Module, hf: torch.nn.Module,
     assert_padded_parity(model, hf, label)
     ids = torch.randint(3, model.args.vocab_size, (2, length), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        diff = (model(ids) - hf(ids).logits).abs().max().item()
-    assert diff < TOL, f"causal: max abs diff {diff:.2e}"
+        assert_close_scaled(model(ids), hf(ids).logits, K_REFERENCE, msg=f"{label}: causal")
 
 
 def assert_packed_rows_match_per_document(model: torch.nn.Module, hf: torch.nn.Module) -> None:
@@ -40,10 +40,9 @@ def assert_packed_rows_match_per_document(model: torch.nn.Module, hf: torch.nn.M
             start = 0
             for n in lengths:
                 ref = hf(ids[r : r + 1, start : start + n]).logits[0]
-                diff = (ours[r, start : start + n] - ref).abs().max().item()
-                assert diff < TOL, f"row {r} document at {start}: max abs diff {diff:.2e}"
+                assert_close_scaled(ours[r, start : start + n], ref, K_REFERENCE, msg=f"row {r} document at {start}")
                 start += n
-    assert (leaky - ours).abs().max() > 100 * TOL  # documents would leak into each other without the resets
+    assert ulps_apart(leaky, ours) > 100 * K_REFERENCE  # documents would leak into each other without the resets
 
 
 PACKED_LENGTHS = [5, 11, 3, 9]
@@ -69,11 +68,11 @@ def assert_packed_row_equals_documents(model: torch.nn.Module, recurrent_param: 
         (alone * weights[start : start + n]).sum().backward()
         outs.append(alone.detach())
         start += n
-    torch.testing.assert_close(out.detach(), torch.cat(outs), atol=2e-5, rtol=0)
+    assert_close_scaled(out.detach(), torch.cat(outs), K_SCAN, msg="packed row vs documents alone")
     assert any(recurrent_param in n for n in packed_grads)
-    for name, grad in packed_grads.items():  # fp32 sums in another order: compare relative to the gradient's scale
-        scale = grad.abs().max().item()
-        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4 * scale, rtol=0, msg=name)
+    for name, param in model.named_parameters():
+        if name in packed_grads:
+            assert_close_scaled(packed_grads[name], param.grad, K_SCAN_GRADIENT, msg=name)
 
 
 def scan_resets(batch: int = 2, seq: int = 19) -> torch.Tensor:
@@ -99,12 +98,12 @@ def assert_chunked_equals_recurrent(
         ref, ref_state = recurrent(*ref_in, resets=r, initial_state=initial_state)
         our_in = [t.clone().requires_grad_() for t in inputs]
         out, out_state = chunked(*our_in, resets=r, initial_state=initial_state, chunk_size=chunk_size)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(out_state, ref_state, atol=1e-5, rtol=1e-5)
+        assert_close_scaled(out, ref, K_SCAN, msg="output")
+        assert_close_scaled(out_state, ref_state, K_SCAN, msg="final state")
         (ref.sum() + ref_state.sum()).backward()
         (out.sum() + out_state.sum()).backward()
         for a, b in zip(ref_in, our_in, strict=True):
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-4)
+            assert_close_scaled(b.grad, a.grad, K_SCAN_GRADIENT, msg="input gradient")
 
 
 STATE_PROMPTS = (5, 11, 3)
@@ -143,14 +142,14 @@ def assert_state_cache_matches_forward(model: torch.nn.Module) -> None:
             state.batch([slots[i] for i in live], [first[i] for i in live]),
         )
         for row, i in enumerate(live):
-            torch.testing.assert_close(logits[row], full[i][prompts[i] - 1], atol=2e-5, rtol=0)
+            assert_close_scaled(logits[row], full[i][prompts[i] - 1], K_SCAN, msg="chunked prefill")
         for step in range(steps):
             lens = [n + step for n in prompts]
             batch = cache.batch([1, 1, 1], lens, tables)
             tokens = torch.stack([s[n] for s, n in zip(seqs, lens, strict=True)])
             logits = model.decode(tokens, cache, batch, state, state.batch(slots, lens))
             for i, n in enumerate(lens):
-                torch.testing.assert_close(logits[i], full[i][n], atol=2e-5, rtol=0)
+                assert_close_scaled(logits[i], full[i][n], K_SCAN, msg=f"decode step {step}")
 
 
 def step_kernel_and_torch(
@@ -167,6 +166,6 @@ def step_kernel_and_torch(
         cache = states.clone().to(device)
         runs.append((steps[name](*(t.to(device) for t in inputs), cache, slots, fresh), cache))
     (out, cache), (want, want_cache) = runs[1], runs[0]
-    torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+    assert_close_scaled(cache, want_cache, K_SCAN, msg="state cache")
     assert torch.equal(cache[[1, 3]].cpu(), states[[1, 3]])
     return out, want

@@ -2,8 +2,8 @@
 and the announcement once it listens.
 
 The built-in runner (`main.py`) and vLLM's (`vllm/launch.py`, and its middleware `vllm/routes.py`, which writes
-the announcement from inside vLLM's server) share these. Standard library and config only, so the vLLM side
-imports them without the built-in engine.
+the announcement from inside vLLM's server) share these. Standard library, config and the models' config.json
+reader only, so the vLLM side imports them without the built-in engine.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.config import ConfigError
 from tandem.files import atomic_write_text
+from tandem.models.config import read_hf_config
 
 SERVER_FILE = "server.json"
 
@@ -38,8 +39,8 @@ def stop_on_sigterm() -> None:
 
 def check_context(seq_len: int, model_dir: Path) -> None:
     """ConfigError when `seq_len` is longer than the model's `max_position_embeddings`, read from its config.json
-    as it is (so it holds for architectures only vLLM serves); a config without one leaves it to the engine."""
-    value = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    unparsed (so it holds for architectures only vLLM serves); a config without one leaves it to the engine."""
+    value = read_hf_config(model_dir).get("max_position_embeddings")
     if isinstance(value, int) and seq_len > value:
         raise ConfigError(f"seq_len {seq_len} is longer than the model's max_position_embeddings {value}")
 

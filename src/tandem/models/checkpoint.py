@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .architecture import HFLayout
-from .config import ModelArgs, MoEArgs
+from .config import ModelArgs, MoEArgs, hf_config_json
 from .decoder import vision_tower
 from .registry import ARCHITECTURES
 
@@ -474,7 +474,7 @@ def save_model(
             total = sum(t.numel() * (dtype.itemsize if dtype else t.element_size()) for _, t in tensors)
             index = {"metadata": {"total_size": total}, "weight_map": weight_files}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        (tmp / "config.json").write_text(json.dumps(_hf_config(args, dtype or tensors[0][1].dtype), indent=2))
+        (tmp / "config.json").write_text(hf_config_json(_hf_config(args, dtype or tensors[0][1].dtype)))
         source = tokenizer_dir or getattr(model, "source_dir", None)
         for name in TOKENIZER_FILES if source else ():
             if (Path(source) / name).is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,8 +316,40 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
+FLOAT_TAG = "__float__"
+"""transformers' spelling of a non-finite float in `config.json` (`{"__float__": "Infinity"}`; strict JSON has no
+Infinity or NaN), as `PreTrainedConfig._encode_special_floats` writes it (e.g. Nemotron-H's `time_step_limit`)."""
+TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def decode_floats(value: Any) -> Any:
+    """`value` with every `{"__float__": "Infinity" | "-Infinity" | "NaN"}` object, at any depth, replaced by the
+    float, as transformers' `_decode_special_floats` reads a config; any other object or list is kept as it is."""
+    if isinstance(value, dict):
+        if set(value) == {FLOAT_TAG} and isinstance(value[FLOAT_TAG], str):
+            return TAGGED_FLOATS.get(value[FLOAT_TAG], value)
+        return {k: decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_floats(v) for v in value]
+    return value
+
+
+def encode_floats(value: Any) -> Any:
+    """`decode_floats` inverted, as transformers' `_encode_special_floats` writes a config: non-finite floats as
+    `{"__float__": ...}` objects (tuples become lists, as JSON writes them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {FLOAT_TAG: "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"}
+    if isinstance(value, Mapping):
+        return {k: encode_floats(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode_floats(v) for v in value]
+    return value
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The `config.json` of a HF directory (or the file itself) as a dict."""
+    """The `config.json` of a HF directory (or the file itself) as a dict, read as transformers reads it: tagged
+    non-finite floats (`decode_floats`) and the bare `Infinity` / `NaN` of older writers become floats. Every
+    reader of a model's config.json goes through here."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -327,7 +360,13 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ModelConfigError(f"{file} is not valid JSON: {error}") from None
     if not isinstance(config, dict):
         raise ModelConfigError(f"{file} holds a JSON {type(config).__name__}, not an object")
-    return config
+    return decode_floats(config)
+
+
+def hf_config_json(config: Mapping[str, Any]) -> str:
+    """`config` as the text of a `config.json`, in transformers' spelling: strict JSON, with non-finite floats
+    tagged (`encode_floats`) as transformers 5.17-5.25 write and read them (`read_hf_config` too)."""
+    return json.dumps(encode_floats(config), indent=2, allow_nan=False) + "\n"
 
 
 def require(hf: Mapping[str, Any], key: str) -> Any:
