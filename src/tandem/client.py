@@ -143,7 +143,9 @@ def _error_message(response: httpx.Response) -> str | None:
     except ValueError:
         return None
     error = body.get("error") if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else body.get("message") if isinstance(body, dict) else None
+    message = (
+        error.get("message") if isinstance(error, dict) else body.get("message") if isinstance(body, dict) else None
+    )
     return message if isinstance(message, str) else None
 
 
