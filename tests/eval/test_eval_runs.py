@@ -202,7 +202,7 @@ def test_a_model_the_server_does_not_serve_is_refused_before_any_rollout(tmp_pat
 
 def test_a_server_without_a_model_list_is_evaluated_with_the_model_given(tmp_path, fake_server, capsys):
     fake_server.models_status = 404
-    code, run_dir = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 2}", "--model", "m")
+    code, _ = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 2}", "--model", "m")
     assert code == 0
     assert [request["model"] for request in fake_server.requests] == ["m", "m"]
     assert "cannot check --model 'm'" in capsys.readouterr().err  # checked before the run directory exists
