@@ -21,7 +21,7 @@ from typing import Any
 
 from tandem.config import ConfigError
 from tandem.config.base import Section
-from tandem.config.common import ModelConfig
+from tandem.config.common import LoadedModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,12 @@ def resolve_models(config: Section, *, weights: bool = True) -> None:
         model.name = str(resolved[key])
 
 
-def hub_models(config: Section) -> list[tuple[Section, ModelConfig]]:
+def hub_models(config: Section) -> list[tuple[Section, LoadedModelConfig]]:
     """Every (section, its `model`) in `config` whose `model.name` is a Hub id."""
     found = []
     for section in _sections(config):
         model = getattr(section, "model", None)
-        if isinstance(model, ModelConfig) and is_hub_id(model.name):
+        if isinstance(model, LoadedModelConfig) and is_hub_id(model.name):
             found.append((section, model))
     return found
 
