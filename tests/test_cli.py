@@ -64,6 +64,19 @@ def test_help_groups_fields_by_section(capsys):
         assert header in out
 
 
+def test_eval_takes_only_the_model_keys_a_server_reads(capsys):
+    """Nothing trains in `tandem eval`: its help lists no training key, and setting one is refused."""
+    main(["eval", "--help"])
+    flags = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip().startswith("--")}
+    assert {"--model.name", "--model.revision", "--model.dtype", "--model.attn-backend"} <= flags
+    trainer_only = ("--model.freeze-router", "--model.expert-parallel", "--model.lora.")
+    assert not [flag for flag in flags if flag.startswith(trainer_only)]
+    main(["sft", "--help"])
+    assert "--model.lora.rank" in capsys.readouterr().out  # the training commands keep them
+    assert main(["eval", "gsm8k", "--model.lora.rank", "8", "--dry-run"]) == 2
+    assert "model.lora" in capsys.readouterr().err
+
+
 def test_sft_dry_run_prints_merged_config(tmp_path):
     config_file = tmp_path / "some.toml"
     config_file.write_text(

@@ -117,6 +117,19 @@ def test_unknown_flag_names_flag_and_suggestion():
         load_config(SftConfig, ["--optimm.lr", "1"])
 
 
+def test_an_unknown_flag_suggests_the_nested_field_of_that_name(tmp_path):
+    from tandem.config.rl import RlConfig
+
+    with pytest.raises(ConfigError, match=r"unknown key `lr` \(did you mean `optim\.lr`\?\) \(flag --lr\)"):
+        load_config(SftConfig, ["--lr", "1e-5"])
+    with pytest.raises(ConfigError, match=r"unknown key `lr` \(did you mean `trainer\.optim\.lr`\?\)"):
+        load_config(RlConfig, ["--lr", "1e-5"])
+    with pytest.raises(ConfigError, match=r"unknown key `optim\.lrr` \(did you mean `optim\.lr`\?\)"):
+        load_config(SftConfig, ["--optim.lrr", "3"])  # a close sibling still comes first
+    with pytest.raises(ConfigError, match=r"did you mean `optim\.lr`\?\) in .*a\.toml:1"):
+        load_config(SftConfig, ["@", write(tmp_path, "a.toml", "lr = 1e-5\n")])
+
+
 def test_bad_value_names_key_value_type_and_source(tmp_path):
     with pytest.raises(ConfigError) as error:
         load_config(SftConfig, ["--optim.lr", "abc"])

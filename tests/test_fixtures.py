@@ -54,6 +54,43 @@ def test_tokenizer_round_trips_and_renders_chat(tiny_model_dir):
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
 
 
+def test_chat_template_renders_tool_calls_that_parse_back(tiny_model_dir):
+    """An assistant's `tool_calls` (OpenAI's string arguments or an object) render as the Hermes blocks the
+    model would write, so the rendered conversation parses back to the same calls."""
+    from transformers import AutoTokenizer
+
+    from tandem.envs.tool_parsers import parser_for
+    from tandem.envs.tools import ToolCall
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+    hermes = parser_for("hermes")
+    first = [ToolCall("add", {"a": 2, "b": 3})]
+    second = [ToolCall("add", {"a": 5, "b": -1}), ToolCall("note", {"text": 'ünïcode "quoted"'})]
+    messages = [
+        {"role": "user", "content": "what is 2 + 3 - 1?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.to_openai() for call in first]},
+        {"role": "tool", "tool_call_id": first[0].id, "content": "5"},
+        {
+            "role": "assistant",
+            "content": "Now subtract.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in second
+            ],
+        },
+        {"role": "tool", "content": "4"},
+        {"role": "assistant", "content": "4"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    turns = [turn.split("\n", 1) for turn in rendered.split("<|im_start|>")[1:]]
+    assert [role for role, _ in turns] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    bodies = [body.removesuffix("<|im_end|>\n") for _, body in turns]
+    assert bodies[1] == hermes.render(first) and bodies[3] == hermes.render(second, "Now subtract.")
+    for body, calls, content in ((bodies[1], first, ""), (bodies[3], second, "Now subtract."), (bodies[5], [], "4")):
+        parsed = hermes.parse(body)
+        assert not parsed.errors and parsed.content == content
+        assert [(c.name, c.arguments) for c in parsed.calls] == [(c.name, c.arguments) for c in calls]
+
+
 def test_same_seed_same_weights(tmp_path):
     from safetensors.torch import load_file
 

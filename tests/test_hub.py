@@ -15,6 +15,7 @@ import pytest
 from support.fake_hub import FakeHub
 from support.runs import tandem_rl, write_rl_sources
 from support.servers import AppThread
+from tandem.cli import main
 from tandem.config import ConfigError, load_config
 from tandem.config.eval import EvalConfig
 from tandem.config.inference import InferenceConfig
@@ -55,6 +56,28 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
 )  # fmt: skip
 def test_hub_ids_are_told_from_paths(name, expected):
     assert is_hub_id(name) is expected
+
+
+@pytest.mark.parametrize(
+    "name", ["a" * 97, "org/" + "b" * 97, "a/b.", "a" * 10_000, "a-/b", "org/x--y", "org/x.git"],
+    ids=["97-chars", "97-char-name", "trailing-dot", "10000-chars", "trailing-dash", "double-dash", "dot-git"],
+)  # fmt: skip
+def test_an_id_the_hubs_rules_refuse_is_one_line_and_exit_2(name, hub_cache, capsys):
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    with pytest.raises(HFValidationError):
+        validate_repo_id(name)  # the case is one huggingface_hub itself refuses
+    assert main(["inference", "--model.name", name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and len(err) < 600, err[:300]
+    assert err.startswith("tandem inference: error: model ") and "not a valid Hugging Face repo id" in err
+
+
+def test_the_longest_valid_ids_are_still_hub_ids(hub_cache):
+    for name in ("a" * 96, f"{'o' * 96}/{'n' * 96}", "Foo-BAR_foo.bar123"):
+        assert is_hub_id(name)
+        with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
+            fetch(name)  # validated, then looked up
 
 
 def test_an_existing_directory_is_never_a_hub_id(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,17 +46,41 @@ class Feedback:
     """Requests waiting on the server, when it reports it (shown, not acted on)."""
 
 
+CONTEXT_FULL = re.compile(
+    r"the context is \d+ \(seq_len\)"  # tandem's server, either engine (`inference.protocol.context_room`)
+    r"|maximum context length is \d+"  # vLLM's OpenAI server (and OpenAI's API)
+    r"|longer than the maximum model length",  # vLLM's input processor
+    re.IGNORECASE,
+)
+"""How servers word a 400 for a request that does not fit the model's context (its prompt, or prompt plus
+`max_tokens`)."""
+
+
 class RequestError(Exception):
     """A request that failed for good, after any retries; `kind` says how."""
 
     def __init__(
-        self, kind: RequestErrorKind, message: str, *, status: int | None = None, retry_after: float | None = None
+        self,
+        kind: RequestErrorKind,
+        message: str,
+        *,
+        status: int | None = None,
+        retry_after: float | None = None,
+        server_message: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.status = status
         self.retry_after = retry_after
+        self.server_message = server_message
+        """The error body's own message (`error.message`, or vLLM's older top-level `message`), whole."""
         self.attempts = 1
+
+    @property
+    def context_full(self) -> bool:
+        """Whether the server refused the request because it does not fit the model's context: a conversation
+        that outgrew it, which a rollout ends as `truncated` (`tandem.envs.ContextFull`), not as an error."""
+        return self.status == 400 and CONTEXT_FULL.search(self.server_message or "") is not None
 
 
 @dataclass(frozen=True)
@@ -108,6 +133,20 @@ def _decoded(response: httpx.Response, method: str, path: str, msgpack: bool) ->
         return response.json()
     except ValueError:
         raise RequestError("protocol", f"{method} {path}: response is not JSON: {response.text[:200]!r}") from None
+
+
+def _error_message(response: httpx.Response) -> str | None:
+    """The message of an error body: `{"error": {"message": ...}}` (OpenAI's shape: tandem's and vLLM's
+    servers) or `{"message": ...}` (vLLM's older one); None for any other body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    message = (
+        error.get("message") if isinstance(error, dict) else body.get("message") if isinstance(body, dict) else None
+    )
+    return message if isinstance(message, str) else None
 
 
 def _header_number(response: httpx.Response, name: str) -> float | None:
@@ -190,6 +229,7 @@ class OpenAIClient:
             f"{method} {path}: HTTP {status}: {response.text[:200]}",
             status=status,
             retry_after=_header_number(response, "retry-after"),
+            server_message=_error_message(response),
         )
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tandem.config import ConfigError
 from tandem.config.base import Section
-from tandem.config.common import ModelConfig
+from tandem.config.common import LoadedModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,38 @@ WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
+REPO_ID_RULES = (
+    "`name` or `org/name`, each part 1 to 96 letters, digits, `-`, `_` or `.`, neither starting nor ending with `-` "
+    "or `.`, without `--` or `..`, not ending in `.git`"
+)
+"""The Hub's rules for a repo id (`huggingface_hub.utils.validate_repo_id` applies them), as an error states them."""
+
+
 def is_hub_id(name: str) -> bool:
-    """A name that is no existing path and is shaped like a Hub repo id (`org/name` or `name`)."""
-    return bool(name) and not Path(name).expanduser().exists() and _HUB_ID.fullmatch(name) is not None and ".." not in name
+    """A name that is no existing path and is shaped like a Hub repo id (`org/name` or `name`). Being shaped like
+    one is not being valid: `check_repo_id` applies the Hub's own rules before anything is fetched."""
+    return bool(name) and _HUB_ID.fullmatch(name) is not None and ".." not in name and not _exists(name)
+
+
+def _exists(name: str) -> bool:
+    try:
+        return Path(name).expanduser().exists()
+    except OSError:  # a name longer than a path may be (ENAMETOOLONG) names no file
+        return False
+
+
+def check_repo_id(repo_id: str) -> None:
+    """A one-line ConfigError for an id the Hub's rules refuse, checked by huggingface_hub's own validator, so
+    tandem accepts exactly the ids every Hugging Face tool accepts."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        shown = repr(repo_id) if len(repo_id) <= 120 else f"{repo_id[:60]!r}... ({len(repo_id)} characters)"
+        raise ConfigError(
+            f"model {shown}: no such directory, and not a valid Hugging Face repo id ({REPO_ID_RULES})"
+        ) from None
 
 
 def fetch(repo_id: str, revision: str = "", *, weights: bool = True, cache_dir: Path | None = None) -> Path:
@@ -52,6 +81,7 @@ def fetch(repo_id: str, revision: str = "", *, weights: bool = True, cache_dir: 
         RevisionNotFoundError,
     )
 
+    check_repo_id(repo_id)
     offline = constants.HF_HUB_OFFLINE  # HF_HUB_OFFLINE, as huggingface_hub read it
     at = f"{repo_id}@{revision}" if revision else repo_id
     patterns = CONFIG_FILES + TOKENIZER_FILES + (WEIGHT_FILES if weights else [])
@@ -109,12 +139,12 @@ def resolve_models(config: Section, *, weights: bool = True) -> None:
         model.name = str(resolved[key])
 
 
-def hub_models(config: Section) -> list[tuple[Section, ModelConfig]]:
+def hub_models(config: Section) -> list[tuple[Section, LoadedModelConfig]]:
     """Every (section, its `model`) in `config` whose `model.name` is a Hub id."""
     found = []
     for section in _sections(config):
         model = getattr(section, "model", None)
-        if isinstance(model, ModelConfig) and is_hub_id(model.name):
+        if isinstance(model, LoadedModelConfig) and is_hub_id(model.name):
             found.append((section, model))
     return found
 

@@ -89,14 +89,26 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(no output)"
 
 
+_CONSOLE: Console | None = None
+
+
+def console() -> Console:
+    """The process's one rich console on stderr. Log lines and every progress bar go through it, so a line
+    logged while a bar is live prints above the bar instead of being written into it."""
+    global _CONSOLE
+    if _CONSOLE is None:
+        _CONSOLE = Console(stderr=True)
+    return _CONSOLE
+
+
 def setup_logging(level: str, log_file: Path | None = None) -> None:
-    """Rich console output on stderr plus, when given, a plain-text log file."""
+    """Rich console output on stderr (`console()`) plus, when given, a plain-text log file."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    console = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False, markup=False)
-    console.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
-    root.addHandler(console)
+    on_console = RichHandler(console=console(), show_path=False, rich_tracebacks=False, markup=False)
+    on_console.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
+    root.addHandler(on_console)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(log_file, encoding="utf-8")
@@ -128,7 +140,7 @@ def step_progress(label: str, total: int, completed: int = 0) -> tuple[Progress,
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        console=Console(stderr=True),
+        console=console(),
     )
     task = progress.add_task(label, total=total, completed=completed, status="")
     progress.start()

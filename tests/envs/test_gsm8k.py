@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import sys
 
 import pytest
 
 from tandem.envs import SelectConfig, apply_select, load_taskset
 from tandem.envs.builtin.gsm8k import parse_gsm8k_answer
+from tandem.testing.progress import run_while_progressing
 
 MODEL_STYLE = [
     ("The answer is 1,234.", "1234"),
@@ -114,3 +117,37 @@ def test_online_without_datasets_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail; never reaches the hub
     with pytest.raises(ImportError, match="pip install datasets"):
         load_taskset("gsm8k").tasks()
+
+
+def test_an_unreachable_hub_fails_at_once_naming_args_path(monkeypatch):
+    """One request finds the Hub unreachable: no `datasets` retries for half a minute, and the error says how
+    to use a local file instead."""
+    import datasets
+    from huggingface_hub import constants
+
+    with socket.socket() as probe:  # a port nothing listens on: the connection is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("asked the unreachable Hub again"))
+    with pytest.raises(ConnectionError, match=r"cannot be reached.*args\.path.*\.\./shared/data/gsm8k/test\.jsonl"):
+        load_taskset("gsm8k").tasks()
+
+
+def test_offline_without_a_cached_copy_is_one_line_naming_args_path(tmp_path):
+    """Under HF_HUB_OFFLINE a dataset the cache lacks is one line on the console, pointing at args.path."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "NO_COLOR": "1"}
+    env.pop("HF_DATASETS_OFFLINE", None)
+    env.pop("HF_DATASETS_CACHE", None)
+    env.pop("HF_HUB_CACHE", None)
+    result = run_while_progressing(
+        [sys.executable, "-m", "tandem", "eval", "gsm8k", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+         "--output-dir", str(tmp_path / "outputs")],
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "HF_HUB_OFFLINE is set" in result.stderr and "args.path" in result.stderr
+    assert "../shared/data/gsm8k/test.jsonl" in result.stderr
+    assert not (tmp_path / "outputs").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import textwrap
 
 import pytest
@@ -82,6 +84,29 @@ def test_register_an_id(user_module):
 def test_bad_ids_and_paths_say_what_is_wrong(user_module, target, error, message):
     with pytest.raises(error, match=message):
         load_taskset(target.format(mod=user_module))
+
+
+@pytest.fixture
+def console_script_path(tmp_path, monkeypatch):
+    """`tmp_path` as the working directory and a `sys.path` without it, as a console script (`tandem eval`) has."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and os.path.abspath(p) != str(tmp_path)])
+    yield tmp_path
+    sys.modules.pop("one_file_envs", None)
+
+
+def test_a_one_file_env_in_the_working_directory_loads_without_it_on_sys_path(console_script_path):
+    (console_script_path / "one_file_envs.py").write_text(textwrap.dedent(USER_MODULE))
+    assert load_taskset("one_file_envs:Echo", word="yo").tasks()[0].answer == "yo"
+    assert sys.path[0] == str(console_script_path)  # the working directory first, as under `python -m`
+
+
+def test_a_module_not_found_names_the_import_rule(console_script_path):
+    with pytest.raises(ImportError) as caught:
+        load_taskset("one_file_envs:Echo")
+    message = str(caught.value)
+    assert "No module named 'one_file_envs'" in message
+    assert f"looked up in the working directory {console_script_path} first, then in installed packages" in message
 
 
 def test_bad_args_list_the_accepted_ones():

@@ -174,12 +174,15 @@ def test_a_multi_turn_env_runs_through_the_same_loop(tmp_path, fake_server):
     assert summaries(run_dir)["guess_number"]["pass_at_k"] == {"1": 1.0}
 
 
-def test_an_unreachable_server_fails_the_eval(tmp_path, fake_server):
+def test_an_unreachable_server_fails_the_eval_before_its_directory_exists(tmp_path, fake_server, capsys):
     fake_server.stop()
     code, run_dir = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 1}",
                              "--env.retries.max-retries", "0")  # fmt: skip
     assert code == 1
-    assert "GET /v1/models: ConnectError" in (run_dir / "logs" / "eval.log").read_text()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"tandem eval: error: the server at {fake_server.url}/v1 cannot be evaluated: ")
+    assert "GET /v1/models: ConnectError" in err[-1]
+    assert not run_dir.exists()  # a refused eval leaves no run that looks failed
 
 
 def test_a_model_the_server_does_not_serve_is_refused_before_any_rollout(tmp_path, fake_server, capsys):
@@ -191,17 +194,18 @@ def test_a_model_the_server_does_not_serve_is_refused_before_any_rollout(tmp_pat
         f"tandem eval: error: --model 'my-model': {fake_server.url}/v1 does not serve it; "
         "it serves 'fake-model' (GET /v1/models)"
     )
+    assert not (tmp_path / "run").exists()  # refused before its directory was created
     code, run_dir = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 3}",
                              "--model", "fake-model")  # fmt: skip
     assert code == 0 and len(read_traces(run_dir / "traces.jsonl")) == 3
 
 
-def test_a_server_without_a_model_list_is_evaluated_with_the_model_given(tmp_path, fake_server):
+def test_a_server_without_a_model_list_is_evaluated_with_the_model_given(tmp_path, fake_server, capsys):
     fake_server.models_status = 404
-    code, run_dir = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 2}", "--model", "m")
+    code, _ = run_eval(tmp_path, fake_server, "arithmetic", "--env.args", "{num_tasks = 2}", "--model", "m")
     assert code == 0
     assert [request["model"] for request in fake_server.requests] == ["m", "m"]
-    assert "cannot check --model 'm'" in (run_dir / "logs" / "eval.log").read_text()
+    assert "cannot check --model 'm'" in capsys.readouterr().err  # checked before the run directory exists
 
 
 def test_a_small_server_queue_does_not_hold_the_concurrency_down(tmp_path, fake_server):

@@ -4,6 +4,7 @@ eval in a run directory in use is refused; the resumed run takes its server and 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from collections import Counter
@@ -53,6 +54,38 @@ def test_kill_9_then_resume_runs_each_rollout_exactly_once(tmp_path, fake_server
     assert len({r["key"] for r in after}) == TASKS * ROLLOUTS
     assert '"key": "half-written' not in traces.read_text()
     assert "rollouts" in capsys.readouterr().out
+
+
+def test_ctrl_c_says_what_was_saved_and_how_to_resume(tmp_path, fake_server):
+    fake_server.delay = lambda messages: 0.05
+    run_dir = tmp_path / "ev"
+    traces = run_dir / "traces.jsonl"
+    command = [sys.executable, "-m", "tandem", "eval", *eval_argv(fake_server.url)]
+    with spawn([*command, "--output-dir", str(tmp_path), "--run-name", "ev"], watch=[run_dir]) as process:
+        process.wait_until(lambda: len(read_traces(traces)) >= 4, "4 traces")
+        os.kill(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        result = process.wait()
+    assert result.returncode == 130
+    saved = len(read_traces(traces))
+    assert 4 <= saved < TASKS * ROLLOUTS
+    assert "interrupted: " in result.stderr and result.stderr.endswith("tandem eval: interrupted\n")
+    log = (run_dir / "logs" / "eval.log").read_text()  # the same line, unwrapped
+    assert f"interrupted: {saved} of {TASKS * ROLLOUTS} rollouts are saved in {traces}; " in log
+    assert f"continue with `tandem eval --resume {run_dir}`" in log
+    assert main(["eval", "--resume", str(run_dir)]) == 0  # the command it printed
+    assert len(read_traces(traces)) == TASKS * ROLLOUTS
+
+
+def test_a_resumed_eval_says_where_it_resumes(tmp_path, fake_server, caplog):
+    argv = ["eval", "arithmetic", "--base-url", fake_server.url, "--env.args", "{num_tasks = 3}"]
+    assert main([*argv, "--output-dir", str(tmp_path), "--run-name", "ev"]) == 0
+    traces = tmp_path / "ev" / "traces.jsonl"
+    traces.write_text(traces.read_text().splitlines(keepends=True)[0])  # as if killed after one rollout
+    assert main(["eval", "--resume", str(tmp_path / "ev")]) == 0
+    assert (
+        f"resuming {tmp_path / 'ev'}: 1 of 3 rollouts done, 2 to run"
+        in (tmp_path / "ev" / "logs" / "eval.log").read_text()
+    )
 
 
 def test_resume_refuses_a_changed_config_and_a_fresh_run_refuses_an_old_dir(tmp_path, fake_server, capsys):

@@ -3,7 +3,8 @@
 It answers `/v1/chat/completions` with `answer(messages)` (cut to `max_tokens` words, finish_reason "length"),
 and can be told to sleep (`delay`), to fail the next requests with a status (`fail_next`), to fail every
 request (`status_always`), to answer `/v1/models` with an error status (`models_status`), and to report a queue
-depth header (`queue_depth`: a number, or a callable giving each response's).
+depth header (`queue_depth`: a number, or a callable giving each response's), or to refuse a chat request with
+a status and body of its own (`refuse(body)`: None serves it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class FakeServer(AppThread):
         self.status_always: int | None = None
         self.queue_depth: int | Callable[[], int] | None = None
         self.models_status: int | None = None
+        self.refuse: Callable[[dict[str, Any]], tuple[int, dict[str, Any]] | None] = lambda body: None
         self.requests: list[dict[str, Any]] = []
         self._failures: list[int] = []
         self._lock = threading.Lock()
@@ -67,6 +69,9 @@ class FakeServer(AppThread):
         await asyncio.sleep(self.delay(messages))
         if status is not None:
             return JSONResponse({"error": {"message": f"scripted {status}"}}, status_code=status)
+        refusal = self.refuse(body)
+        if refusal is not None:
+            return JSONResponse(refusal[1], status_code=refusal[0])
         words = self.answer(messages).split(" ")
         cut = len(words) > body.get("max_tokens", len(words))
         text = " ".join(words[: body["max_tokens"]] if cut else words)

@@ -1,7 +1,7 @@
 """One config mechanism for every command: pydantic models, TOML files, dotted kebab-case flags."""
 
 from tandem.config.base import Section
-from tandem.config.common import LogConfig, ModelConfig, OptimConfig, RunConfig, SchedulerConfig
+from tandem.config.common import LoadedModelConfig, LogConfig, ModelConfig, OptimConfig, RunConfig, SchedulerConfig
 from tandem.config.errors import ConfigError
 from tandem.config.loader import load_config, load_file
 from tandem.config.toml_io import dump_toml
@@ -14,6 +14,7 @@ def to_toml(config: Section) -> str:
 
 __all__ = [
     "ConfigError",
+    "LoadedModelConfig",
     "LogConfig",
     "ModelConfig",
     "OptimConfig",

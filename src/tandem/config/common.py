@@ -58,7 +58,9 @@ class LoraConfig(Section):
         return self.rank > 0
 
 
-class ModelConfig(Section):
+class LoadedModelConfig(Section):
+    """Which model to load and how it computes: all a server of it needs (`tandem eval` takes only this)."""
+
     name: str = ""
     """Hugging Face model directory (config.json + safetensors + tokenizer files) or Hub id (`Qwen/Qwen3-0.6B`, fetched into the Hugging Face cache once)."""
     revision: str = ""
@@ -69,18 +71,23 @@ class ModelConfig(Section):
     """Attention kernel: sdpa (any device), flex (GPU; packed documents without a dense mask), or auto."""
     moe_backend: MoeBackend | list[MoeBackend] = "grouped_mm"
     """MoE expert compute, one name for every layer or a list with one per layer."""
-    freeze_router: bool | None = None
-    """Stop gradients into MoE routers (default: on in RL, so expert choices match inference; off in SFT)."""
-    expert_parallel: int = Field(1, ge=1)
-    """Trainer: split each MoE layer's experts over this many ranks, tokens sent to them by all-to-all (1: FSDP shards experts like every other weight). Divides the trainer's world size and the number of experts."""
-    lora: LoraConfig = LoraConfig()
-    """LoRA adapters instead of full fine-tuning (`--model.lora.rank 8`)."""
 
     @model_validator(mode="before")
     @classmethod
     def _name_shorthand(cls, data: Any) -> Any:
         """`--model ./dir` and `model = "dir"` mean `model.name`."""
         return {"name": data} if isinstance(data, str) else data
+
+
+class ModelConfig(LoadedModelConfig):
+    """The model to train or serve: what loading it takes, and how it trains (router, expert sharding, LoRA)."""
+
+    freeze_router: bool | None = None
+    """Stop gradients into MoE routers (default: on in RL, so expert choices match inference; off in SFT)."""
+    expert_parallel: int = Field(1, ge=1)
+    """Trainer: split each MoE layer's experts over this many ranks, tokens sent to them by all-to-all (1: FSDP shards experts like every other weight). Divides the trainer's world size and the number of experts."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (`--model.lora.rank 8`)."""
 
 
 class LogConfig(Section):

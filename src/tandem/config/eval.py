@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tandem.config.base import Section
-from tandem.config.common import RunConfig
+from tandem.config.common import LoadedModelConfig, RunConfig
 from tandem.config.env import EnvConfig, SandboxConfig
 from tandem.config.loader import deep_merge
 
@@ -102,6 +102,9 @@ def _table(value: Any) -> Any:
 
 class EvalConfig(RunConfig):
     command: ClassVar[str] = "eval"
+
+    model: LoadedModelConfig = LoadedModelConfig()
+    """The model the built-in server serves, or the id to request from `base_url` (no training keys: nothing trains)."""
 
     base_url: str | None = None
     """OpenAI-compatible server to evaluate against (default: start the built-in one for `model.name`)."""

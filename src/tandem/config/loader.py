@@ -83,7 +83,9 @@ def _checked(
             _, kind = lookup(model, [key])
         except UnknownKey as error:
             dotted = ".".join(kebab(str(part)) for part in key_path)
-            raise ConfigError(f"unknown key `{dotted}`{suggest(key, error.valid, key_prefix)} in {where}") from None
+            raise ConfigError(
+                f"unknown key `{dotted}`{suggest(key, error.valid, key_prefix, model)} in {where}"
+            ) from None
         source.origin[key_path] = where
         value = _shorthand_to_table(kind, value)
         if kind.model is not None and isinstance(value, dict):

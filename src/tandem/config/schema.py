@@ -63,23 +63,49 @@ def field_kind(annotation: Any) -> FieldKind:
     return FieldKind(annotation, is_bool=is_bool)
 
 
-def suggest(key: str, choices: typing.Iterable[str], prefix: typing.Sequence[str | int] = ()) -> str:
-    """A ' (did you mean `section.key`?)' hint, or '' when nothing is close."""
+def suggest(
+    key: str,
+    choices: typing.Iterable[str],
+    prefix: typing.Sequence[str | int] = (),
+    model: type[BaseModel] | None = None,
+) -> str:
+    """A ' (did you mean `section.key`?)' hint, or '' when nothing is close: the closest of `choices`, else the
+    shallowest field nested in `model` whose own name is `key` (`--lr` -> `optim.lr`)."""
     close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
-    if not close:
+    nested = [] if close or model is None else nested_fields(model, key)
+    if not close and not nested:
         return ""
-    return f" (did you mean `{'.'.join(kebab(str(p)) for p in (*prefix, close[0]))}`?)"
+    path = (*prefix, close[0]) if close else (*prefix, *min(nested, key=len))
+    return f" (did you mean `{'.'.join(kebab(str(p)) for p in path)}`?)"
+
+
+def nested_fields(model: type[BaseModel], name: str, depth: int = 4) -> list[tuple[str, ...]]:
+    """The paths of every field named `name` in the sections below `model` (at most `depth` deep)."""
+    found: list[tuple[str, ...]] = []
+    if depth == 0:
+        return found
+    for field, info in model.model_fields.items():
+        kind = field_kind(info.annotation)
+        section = kind.model  # not an array of tables: a flag cannot set one of its items
+        if section is None:
+            continue
+        if name in section.model_fields:
+            found.append((field, name))
+        found += [(field, *path) for path in nested_fields(section, name, depth - 1) if len(path) > 1]
+    return found
 
 
 class UnknownKey(LookupError):
-    def __init__(self, path: list[str], valid: list[str]):
+    def __init__(self, path: list[str], valid: list[str], model: type[BaseModel] | None = None):
         self.path = path
         self.valid = valid
+        self.model = model
+        """The section the unknown key was looked up in."""
         super().__init__(".".join(path))
 
     def describe(self) -> str:
         dotted = ".".join(kebab(p) for p in self.path)
-        return f"unknown key `{dotted}`{suggest(self.path[-1], self.valid, self.path[:-1])}"
+        return f"unknown key `{dotted}`{suggest(self.path[-1], self.valid, self.path[:-1], self.model)}"
 
 
 def lookup(model: type[BaseModel], path: list[str]) -> tuple[FieldInfo, FieldKind]:
@@ -90,7 +116,7 @@ def lookup(model: type[BaseModel], path: list[str]) -> tuple[FieldInfo, FieldKin
             raise UnknownKey(path[: depth + 1], [])
         fields = current.model_fields
         if key not in fields:
-            raise UnknownKey(path[: depth + 1], list(fields))
+            raise UnknownKey(path[: depth + 1], list(fields), current)
         info = fields[key]
         kind = field_kind(info.annotation)
         if depth == len(path) - 1:

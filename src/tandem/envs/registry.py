@@ -1,7 +1,8 @@
 """Find a taskset class by registered id ("gsm8k") or import path ("my_pkg.tasks:MyTaskset") and build it,
 alone or as a config's environment source (`load_env`).
 
-Ids map to import paths, so registering costs nothing until the taskset is used.
+Ids map to import paths, so registering costs nothing until the taskset is used. An import path's module is
+found by one rule in every command (`import_env_module`): the working directory first, then installed packages.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
+import sys
+from types import ModuleType
 from typing import Any
 
 from tandem.config.env import EnvConfig
@@ -56,10 +60,7 @@ def resolve_taskset(id_or_path: str) -> type[Taskset]:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"taskset import path {path!r} must look like 'pkg.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"taskset {id_or_path!r}: cannot import module {module_name!r}: {e}") from e
+    module = import_env_module(module_name, id_or_path)
     cls = getattr(module, attr, None)
     if cls is None:
         raise ImportError(f"taskset {id_or_path!r}: module {module_name!r} has no attribute {attr!r}")
@@ -67,6 +68,29 @@ def resolve_taskset(id_or_path: str) -> type[Taskset]:
         raise TypeError(f"taskset {id_or_path!r}: {path!r} is not a concrete subclass of tandem.envs.Taskset")
     require_rewards(cls)
     return cls
+
+
+def import_env_module(module_name: str, what: str | None = None) -> ModuleType:
+    """Import the module of a taskset import path by the one rule every command follows (`tandem eval`,
+    `tandem rl`, the orchestrator and trainer it starts): the working directory comes first on `sys.path`, then
+    installed packages, as under `python -m`. So a one-file environment beside where the command runs
+    (`my_envs.py`, id `my_envs:MyTaskset`) loads alike whether the process was started as a console script
+    (whose `sys.path` lacks the working directory) or by `python -m`. A module that is not found names the
+    rule and the directory."""
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and e.name is not None and f"{module_name}.".startswith(f"{e.name}."):
+            hint = (
+                f" (an import path is looked up in the working directory {here} first, then in installed "
+                "packages: run from the directory that holds it, `pip install` its package, or add its "
+                "directory to PYTHONPATH)"
+            )
+        raise ImportError(f"taskset {what or module_name!r}: cannot import module {module_name!r}: {e}{hint}") from e
 
 
 def load_taskset(id_or_path: str, **args: Any) -> Taskset:

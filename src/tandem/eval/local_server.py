@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from tandem.config import ModelConfig
+from tandem.config import LoadedModelConfig
 from tandem.run import log_tail
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 @contextmanager
 def local_server(
-    model: ModelConfig,
+    model: LoadedModelConfig,
     *,
     run_dir: Path,
     seq_len: int,

@@ -31,7 +31,7 @@ from tandem.eval.summary import render_table, summarize_source
 from tandem.eval.traces import read_traces
 from tandem.files import atomic_write_text
 from tandem.jsonl import JsonlWriter
-from tandem.run import prepare_run_dir
+from tandem.run import RunError, prepare_run_dir, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +40,18 @@ SUMMARY = "summary.json"
 
 
 def run_eval(config: EvalConfig) -> int:
-    """Check the config and sources, take the run directory's lock, run what is missing, summarise."""
+    """Check the config, the sources and a given server, take the run directory's lock, run what is missing,
+    summarise. Every check that can refuse the eval runs before its directory is created, so a refused eval
+    leaves nothing behind (no run that looks failed)."""
     config = resumed_config(config) if config.resume is not None else config
     _check_runnable(config)
     start_sandbox(config.sandbox, config.run_dir)
     sources = [load_source(source) for source in config.source]
+    if config.base_url is not None:
+        setup_logging(config.log.level)  # on the console only: the run directory does not exist yet
+        model = _served_model(config)
+    else:
+        model = None
     with run_lock(config.run_dir):
         if config.resume is None and (config.run_dir / TRACES).exists():
             raise ConfigError(
@@ -55,11 +62,33 @@ def run_eval(config: EvalConfig) -> int:
         traces = run_dir / TRACES
         try:
             with _server(config, run_dir) as base_url:
-                records = asyncio.run(_evaluate(config, base_url, sources, traces))
+                records = asyncio.run(_evaluate(config, base_url, model, sources, traces))
         except (ServerStartError, RequestError) as error:
             logger.error("%s", error)
             return 1
+        except KeyboardInterrupt:
+            total = sum(source.expected for source in sources)
+            logger.warning(
+                "interrupted: %d of %d rollouts are saved in %s; continue with `tandem eval --resume %s`",
+                len(read_traces(traces)), total, traces, run_dir,
+            )  # fmt: skip
+            raise
         return _summarize(run_dir, sources, records)
+
+
+def _served_model(config: EvalConfig) -> str:
+    """The model to request from the server at `base_url`, checked before anything is created: a server that
+    cannot be reached, or that does not serve `--model`, refuses the eval in one line."""
+
+    async def check() -> str:
+        async with OpenAIClient(config.base_url, api_key=config.api_key, timeout_s=config.env.request_timeout_s,
+                                retries=config.env.retries) as client:  # fmt: skip
+            return await _model_id(client, config)
+
+    try:
+        return asyncio.run(check())
+    except RequestError as error:
+        raise RunError(f"the server at {config.base_url} cannot be evaluated: {error}") from None
 
 
 def _check_runnable(config: EvalConfig) -> None:
@@ -110,11 +139,20 @@ async def _model_id(client: OpenAIClient, config: EvalConfig) -> str:
     return name or served[0]
 
 
-async def _evaluate(config: EvalConfig, base_url: str, sources: list[EvalSource], traces: Path) -> list[dict[str, Any]]:
-    """Run the rollouts `traces` does not hold yet; every record of the eval back, earlier ones first."""
+async def _evaluate(
+    config: EvalConfig, base_url: str, model: str | None, sources: list[EvalSource], traces: Path
+) -> list[dict[str, Any]]:
+    """Run the rollouts `traces` does not hold yet against `model` (None: the first the server lists); every
+    record of the eval back, earlier ones first."""
     records = read_traces(traces)
     todo = pending_rollouts(sources, {record["key"] for record in records})
-    logger.info("%d rollouts to run, %d already in %s", len(todo), len(records), traces)
+    total = sum(source.expected for source in sources)
+    if config.resume is not None:
+        logger.info(
+            "resuming %s: %d of %d rollouts done, %d to run", traces.parent, total - len(todo), total, len(todo)
+        )
+    else:
+        logger.info("%d rollouts to run", len(todo))
     if not todo:
         return records
     limiter = AdaptiveLimiter(AimdController(config.concurrency))
@@ -126,7 +164,7 @@ async def _evaluate(config: EvalConfig, base_url: str, sources: list[EvalSource]
         on_feedback=limiter.record,
     )
     async with client:
-        model = await _model_id(client, config)
+        model = model or await _model_id(client, config)
         totals = {source.name: source.expected for source in sources}
         with JsonlWriter(traces) as writer, EvalProgress(totals, records, limiter) as progress:
             await run_rollouts(todo, client, model, limiter, writer, lambda record: _keep(record, records, progress))

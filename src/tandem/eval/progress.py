@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from tandem.eval.concurrency import AdaptiveLimiter
+from tandem.run import console
 
 
 class _SourceStats:
@@ -40,7 +40,7 @@ class EvalProgress:
             MofNCompleteColumn(),
             TextColumn("{task.fields[stats]}"),
             TimeRemainingColumn(),
-            console=Console(stderr=True),
+            console=console(),
         )
         self._stats = {name: _SourceStats() for name in totals}
         self._rows: dict[str, TaskID] = {}

@@ -4,7 +4,9 @@ Single- and multi-turn tasksets alike go through `tandem.envs.run_episode`;
 only the `generate` callable is ours (a chat request, with a tool taskset's
 `tools`, which the server renders and parses calls for). A rollout never raises:
 a failure becomes its outcome (`timeout` for a request that ran out of time,
-`error` for anything else) so one bad request cannot stop an eval.
+`error` for anything else) so one bad request cannot stop an eval. A conversation that
+outgrows the model's context (the server's 400 says so) is no failure: the episode ends
+there as `truncated` and is scored, as in training.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from tandem.client import ChatCompletion, OpenAIClient, RequestError
 from tandem.config import ConfigError
 from tandem.config.eval import EvalSourceConfig, SamplingConfig
-from tandem.envs import Message, Task, Taskset, apply_select, load_env, run_episode
+from tandem.envs import ContextFull, Message, Task, Taskset, apply_select, load_env, run_episode
 from tandem.envs.tool_env import ToolTaskset
 from tandem.eval.concurrency import AdaptiveLimiter
 from tandem.eval.traces import trace_key
@@ -99,7 +101,12 @@ async def run_rollout(client: OpenAIClient, model: str, rollout: EvalRollout) ->
     async def generate(messages: list[Message]) -> Message:
         nonlocal conversation
         conversation = messages
-        reply = await client.chat(inline_images(messages), model=model, **sampling, **tools)
+        try:
+            reply = await client.chat(inline_images(messages), model=model, **sampling, **tools)
+        except RequestError as failure:
+            if failure.context_full:  # the conversation outgrew the context: the episode ends, truncated
+                raise ContextFull(failure.server_message) from failure
+            raise
         replies.append(reply)
         message = {key: value for key, value in reply.choices[0].message.items() if value is not None}
         conversation = [*messages, message]

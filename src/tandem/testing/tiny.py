@@ -17,13 +17,23 @@ TINY_ARCHITECTURES: tuple[TinyArchitecture, ...] = ("qwen3", "llama", "qwen3_moe
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML, the format Qwen models use; rendered by `apply_chat_template`. Tools, when given, go first in a system
-# turn that asks for Hermes-style calls, as Qwen3's template does.
+# turn that asks for Hermes-style calls, and an assistant's `tool_calls` follow its content as the <tool_call>
+# blocks `HermesParser.render` writes, as Qwen3's template renders them (OpenAI's string arguments as they are,
+# an object as JSON), so a rendered conversation parses back to the calls it holds.
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nCall a tool as <tool_call>"
-    '{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:\n'
+    '{"name": ..., "arguments": {...}}</tool_call>. Tools:\n'
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% set content = message.content if message.content is defined and message.content is not none else '' %}"
+    "<|im_start|>{{ message.role }}\n{{ content }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% set call = call.function if call.function is defined else call %}"
+    "{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": {{ call.name | tojson }}, "arguments": '
+    "{% if call.arguments is string %}{{ call.arguments }}{% else %}{{ call.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

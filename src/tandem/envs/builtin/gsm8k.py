@@ -33,18 +33,54 @@ def parse_gsm8k_answer(text: str) -> str | None:
     return extract_final_number(text)
 
 
+LOCAL_FILE = 'pass args.path to a local JSONL of `question` and `answer` rows (args = {path = "../shared/data/gsm8k/test.jsonl"})'
+
+
 def _load_rows(path: str | None, dataset: str, subset: str, split: str) -> list[dict[str, Any]]:
     if path is not None:
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
+    return _hub_rows(dataset, subset, split)
+
+
+def _hub_rows(dataset: str, subset: str, split: str) -> list[dict[str, Any]]:
+    """`dataset` from the Hub through `datasets`, or its cached copy offline. Reachability is asked once first:
+    `datasets` retries a Hub it cannot reach for half a minute before it gives up."""
     try:
         import datasets
     except ImportError:
         raise ImportError(
-            "gsm8k without `path` loads from the Hugging Face hub and needs `datasets` (pip install datasets); "
-            "or pass args.path to a local JSONL"
+            f"gsm8k without `path` loads from the Hugging Face hub and needs `datasets` (pip install datasets); or "
+            f"{LOCAL_FILE}"
         ) from None
-    return list(datasets.load_dataset(dataset, subset, split=split))
+    offline = datasets.config.HF_HUB_OFFLINE  # HF_HUB_OFFLINE or HF_DATASETS_OFFLINE, as `datasets` read them
+    if not offline and not Path(dataset).exists() and (unreachable := _hub_unreachable(dataset)):
+        raise ConnectionError(
+            f"gsm8k: the Hugging Face Hub cannot be reached to load {dataset} ({unreachable}); {LOCAL_FILE}"
+        )
+    try:
+        return list(datasets.load_dataset(dataset, subset, split=split))
+    except ConnectionError:
+        if not offline:
+            raise
+        raise ConnectionError(
+            f"gsm8k: {dataset} is not in the datasets cache and HF_HUB_OFFLINE is set; {LOCAL_FILE}"
+        ) from None
+
+
+def _hub_unreachable(dataset: str) -> str:
+    """Why one request to the Hub about `dataset` got no answer, or "" if the Hub answered (with any status:
+    a missing or gated dataset is `datasets`' error to report)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    try:
+        HfApi().dataset_info(dataset)
+    except (HfHubHTTPError, HFValidationError):
+        return ""
+    except Exception as error:  # the HTTP client's own transport errors: no connection, DNS, TLS, timeout
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ""
 
 
 def _reference(solution: str, idx: int) -> str:
