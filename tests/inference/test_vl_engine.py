@@ -51,10 +51,11 @@ def _prompt(tokenizer, images: list[str]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _trainer_logprobs(vl_dir, prompt, images, tokens) -> torch.Tensor:
+def _trainer_logprobs(vl_dir, prompt, refs, tokens) -> torch.Tensor:
+    """The trainer's scoring, its images encoded from their references as the RL trainer encodes a rollout's."""
     model = load_model(vl_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + tokens])
-    extra = {} if images is None else {"images": Images(images.pixel_values, images.grid_thw)}
+    extra = {"images": Images(*PixelEncoder(vl_dir).encode(refs))} if refs else {}
     with torch.no_grad():
         logprobs = model(ids, **extra)[0, len(prompt) - 1 : -1].log_softmax(-1)
     return logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0].double()
@@ -75,10 +76,10 @@ def test_samples_are_scored_as_the_trainer_scores_them(vl_dir, served):
     from support.polling import wait_until
 
     wait_until(lambda: len(finished) == 2, "both requests to finish")
-    assert images.embeds is not None  # encoded once, for both samples
-    for name, ids, request_images in (("image", prompt, images), ("text", text, None)):
+    assert images.embeds is not None and images.pixel_values is None  # encoded once, for both samples; pixels freed
+    for name, ids, refs in (("image", prompt, IMAGES), ("text", text, None)):
         for sample in finished[name].samples:
-            p = _trainer_logprobs(vl_dir, ids, request_images, sample.token_ids)
+            p = _trainer_logprobs(vl_dir, ids, refs, sample.token_ids)
             q = torch.tensor(sample.logprobs, dtype=torch.float64)
             kl = (torch.exp(q - p) - (q - p) - 1).mean().item()
             assert abs(kl) < 1e-6 and (p - q).abs().max() < 1e-5, (name, (p - q).abs().max())
