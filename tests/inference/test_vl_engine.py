@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from support.inference import ServerThread, engine_config
-from support.vision_models import FAMILIES, image_data_url, write_servable_vl_model
+from support.vision_models import FAMILIES, image_data_url, png_header, write_servable_vl_model
 from tandem.images import PixelEncoder
 from tandem.inference.engine import Engine
 from tandem.inference.main import eos_token_ids
@@ -110,6 +110,33 @@ def test_generate_expands_images_and_refuses_bad_ones(vl_dir, served, tmp_path):
             refused = httpx.post(f"{server.url}/generate", json=body, timeout=60)
             assert refused.status_code == 400 and reason in refused.text, refused.text
         assert httpx.post(f"{server.url}/generate", json={**body, "images": [IMAGES[:1]]}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_pixel_bombs_and_requests_over_the_pixel_budget_are_refused_before_decoding(served, tmp_path):
+    """Headers claiming more pixels than an image may have, or than a request's images may have together (across
+    its prompts), get a 400 naming the limit (decoding any of them would say "truncated"); the server answers the
+    next request."""
+    engine, tokenizer = served
+    server = ServerThread(engine, tokenizer, tmp_path)
+    try:
+        prompt = _prompt(tokenizer, IMAGES[:2])
+        bomb, large = png_header(50_000, 50_000), png_header(6_000, 6_000)  # 2.5 G and 36 M pixels claimed
+        for images, reason in (
+            ([[IMAGES[0], bomb]], "far more than 40,000,000 pixels"),
+            ([[png_header(7_000, 6_000)] * 2], "7000 x 6000 pixels, over the limit of 40,000,000"),
+            ([[large, large], [large, large]], "144,000,000 pixels together, over the limit of 100,000,000"),
+        ):
+            body = {"prompt_token_ids": [prompt] * len(images), "images": images, "sampling": {"max_tokens": 2}}
+            refused = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+            assert refused.status_code == 400 and reason in refused.text, refused.text
+        chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": large}}] * 3}],
+                "max_tokens": 2}  # fmt: skip
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 400 and "max_request_image_pixels" in refused.text, refused.text
+        body = {"prompt_token_ids": prompt, "images": [IMAGES[:2]], "sampling": {"max_tokens": 2}}
+        assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 200
     finally:
         server.stop()
 
