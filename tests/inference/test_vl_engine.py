@@ -196,3 +196,66 @@ def test_cuda_graphs_give_the_eager_tokens(vl_dir):
     """Decode replayed from CUDA graphs, each row's M-RoPE offset an input column: the eager engine's greedy tokens
     (fp32, as the other graph tests)."""
     assert _greedy_on_cuda(vl_dir, graphs=True) == _greedy_on_cuda(vl_dir, graphs=False)
+
+
+@pytest.mark.slow
+def test_sigterm_during_image_work_ends_the_server_promptly(vl_dir, tmp_path):
+    """`tandem inference` with one image thread and a minute of 36-Mpx images queued behind it: SIGTERM ends it
+    after the graceful wait and the image in hand, not after the queue (the requests in flight are cancelled, the
+    queued image jobs dropped)."""
+    import contextlib
+    import io
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from tandem.inference.main import GRACEFUL_SHUTDOWN_S
+    from tandem.testing.progress import tree_state, wait_for
+
+    buffer = io.BytesIO()
+    Image.new("1", (6000, 6000), 1).save(buffer, format="PNG")  # 36 M white pixels in ~16 KB
+    white = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    command = [
+        sys.executable, "-m", "tandem", "inference", "--model", str(vl_dir), "--model.dtype", "float32",
+        "--device", "cpu", "--port", "0", "--seq-len", "256", "--image-workers", "1", "--log-interval-s", "0",
+        "--output-dir", str(tmp_path), "--run-name", "srv",
+    ]  # fmt: skip
+    log = tmp_path / "server.log"  # a file, not a pipe: shutdown logs every cancelled request's traceback
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    try:
+        server_json = tmp_path / "srv" / "server.json"
+        wait_for(lambda: server_json.is_file() or process.poll() is not None, lambda: tree_state([tmp_path]))
+        assert process.poll() is None, log.read_text()
+        url = json.loads(server_json.read_text())["url"]
+        tokenizer = AutoTokenizer.from_pretrained(vl_dir)
+        body = {"prompt_token_ids": _prompt(tokenizer, [white] * 2), "images": [[white] * 2],
+                "sampling": {"max_tokens": 1}}  # fmt: skip
+        started = time.monotonic()
+        assert httpx.post(f"{url}/generate", json=body, timeout=300).status_code == 200
+        one = time.monotonic() - started
+        count = min(400, int(60 / one) + 1)  # a minute of image work or more, one request after another
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server went away: what SIGTERM is for
+                httpx.post(f"{url}/generate", json=body, timeout=300)
+
+        clients = [threading.Thread(target=send, daemon=True) for _ in range(count)]
+        for client in clients:
+            client.start()
+        time.sleep(1.0)  # the requests read and queued behind the one image thread
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        process.wait(timeout=count * one)  # without the fix: the whole queue
+        elapsed = time.monotonic() - stopping
+        assert process.returncode == 0, log.read_text()[-4000:]
+        assert elapsed < GRACEFUL_SHUTDOWN_S + (count * one) / 3, (elapsed, count, one)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
