@@ -111,3 +111,90 @@ def test_placeholders_from_the_size_match_the_encoded_grid(family, tmp_path):
         ref = image_data_url((10, 200, 10), size)
         _, grid = pixels.encode([ref])
         assert pixels.placeholders(ref) == int(grid.prod()) // pixels.merge**2, size
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    from support.vision_models import write_servable_vl_model
+
+    return write_servable_vl_model(tmp_path_factory.mktemp("qwen3-vl"))
+
+
+def test_pixel_limits_are_checked_from_the_headers_before_anything_is_decoded(vl_dir):
+    """Each image's limit (set lower than the trainers') and a request's total, each named in the refusal."""
+    from support.vision_models import png_header
+    from tandem.images import PixelEncoder
+
+    pixels = PixelEncoder(vl_dir, max_image_pixels=1_000_000)
+    with pytest.raises(
+        ImageError, match=r"1000 x 1001 pixels, over the limit of 1,000,000 pixels \(max_image_pixels\)"
+    ):
+        pixels.encode([png_header(1000, 1001)])
+    claims = [png_header(1000, 1000)] * 3  # each within the limit, 3,000,000 together
+    assert pixels.check(claims) == 3_000_000
+    with pytest.raises(ImageError, match=r"3,000,000 pixels together, over the limit of 2,000,000 .*max_request_image"):
+        pixels.check(claims, max_total_pixels=2_000_000)
+    with pytest.raises(ImageError, match="truncated or corrupt"):  # what decoding such a header gives
+        pixels.encode(claims[:1])
+    with pytest.raises(ValueError, match="max_image_pixels must be in"):
+        PixelEncoder(vl_dir, max_image_pixels=MAX_IMAGE_PIXELS + 1)
+
+
+@pytest.mark.parametrize("image_format", ["PNG", "JPEG"])
+def test_large_images_are_scaled_to_what_the_model_uses_while_decoding(vl_dir, image_format, monkeypatch):
+    """A large image reaches the processor already at the size the processor resizes it to (at most its
+    `longest_edge` pixels; a JPEG decoded at 1/8 scale by the decoder itself), one image at a time, and gives the
+    patches the processor makes of the full image: the same values for a PNG, the same grid for a JPEG."""
+    from PIL import ImageDraw, JpegImagePlugin
+
+    from tandem.images import PixelEncoder
+
+    pixels = PixelEncoder(vl_dir)
+    big = Image.new("RGB", (3000, 2000), (255, 255, 255))
+    ImageDraw.Draw(big).ellipse((300, 200, 2400, 1800), fill=(20, 120, 220))
+    refs = [_data_url(big, image_format), _data_url(Image.new("RGB", (20, 12), (5, 6, 7)), image_format)]
+    seen: list[tuple[int, int]] = []
+    drafts: list[tuple[int, int]] = []
+    processor = pixels.processor
+
+    def recording(images, **kwargs):
+        seen.extend(image.size for image in images)
+        return processor(images=images, **kwargs)
+
+    draft = JpegImagePlugin.JpegImageFile.draft
+
+    def recording_draft(self, mode, size):
+        out = draft(self, mode, size)
+        drafts.append(self.size)
+        return out
+
+    monkeypatch.setattr(pixels, "processor", recording)
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", recording_draft)
+    values, grid = pixels.encode(refs)
+    longest = processor.size["longest_edge"]
+    assert len(seen) == 2 and seen[0][0] * seen[0][1] <= longest < 3000 * 2000 and seen[1] == (20, 12)
+    assert drafts == ([(375, 250)] if image_format == "JPEG" else [])  # 1/8 of 3000 x 2000, still over the target
+    whole = processor(images=[read_image(ref) for ref in refs], return_tensors="pt")
+    assert torch_equal(grid, whole["image_grid_thw"])
+    if image_format == "PNG":
+        assert torch_equal(values, whole["pixel_values"])
+    assert pixels.placeholders(refs[0]) == int(grid[0].prod()) // pixels.merge**2
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def test_encoding_stops_between_images_when_asked(vl_dir):
+    from support.vision_models import image_data_url
+    from tandem.images import PixelEncoder
+
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 3  # two headers checked, the first image encoded, then stop
+
+    with pytest.raises(ImageError, match="image work stopped"):
+        PixelEncoder(vl_dir).encode([image_data_url((1, 2, 3))] * 2, stop)
+    assert len(asked) == 4

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from support.inference import ServerThread, engine_config
-from support.vision_models import FAMILIES, image_data_url, write_servable_vl_model
+from support.vision_models import FAMILIES, image_data_url, png_header, write_servable_vl_model
 from tandem.images import PixelEncoder
 from tandem.inference.engine import Engine
 from tandem.inference.main import eos_token_ids
@@ -51,10 +51,11 @@ def _prompt(tokenizer, images: list[str]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _trainer_logprobs(vl_dir, prompt, images, tokens) -> torch.Tensor:
+def _trainer_logprobs(vl_dir, prompt, refs, tokens) -> torch.Tensor:
+    """The trainer's scoring, its images encoded from their references as the RL trainer encodes a rollout's."""
     model = load_model(vl_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + tokens])
-    extra = {} if images is None else {"images": Images(images.pixel_values, images.grid_thw)}
+    extra = {"images": Images(*PixelEncoder(vl_dir).encode(refs))} if refs else {}
     with torch.no_grad():
         logprobs = model(ids, **extra)[0, len(prompt) - 1 : -1].log_softmax(-1)
     return logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0].double()
@@ -75,10 +76,10 @@ def test_samples_are_scored_as_the_trainer_scores_them(vl_dir, served):
     from support.polling import wait_until
 
     wait_until(lambda: len(finished) == 2, "both requests to finish")
-    assert images.embeds is not None  # encoded once, for both samples
-    for name, ids, request_images in (("image", prompt, images), ("text", text, None)):
+    assert images.embeds is not None and images.pixel_values is None  # encoded once, for both samples; pixels freed
+    for name, ids, refs in (("image", prompt, IMAGES), ("text", text, None)):
         for sample in finished[name].samples:
-            p = _trainer_logprobs(vl_dir, ids, request_images, sample.token_ids)
+            p = _trainer_logprobs(vl_dir, ids, refs, sample.token_ids)
             q = torch.tensor(sample.logprobs, dtype=torch.float64)
             kl = (torch.exp(q - p) - (q - p) - 1).mean().item()
             assert abs(kl) < 1e-6 and (p - q).abs().max() < 1e-5, (name, (p - q).abs().max())
@@ -109,6 +110,33 @@ def test_generate_expands_images_and_refuses_bad_ones(vl_dir, served, tmp_path):
             refused = httpx.post(f"{server.url}/generate", json=body, timeout=60)
             assert refused.status_code == 400 and reason in refused.text, refused.text
         assert httpx.post(f"{server.url}/generate", json={**body, "images": [IMAGES[:1]]}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_pixel_bombs_and_requests_over_the_pixel_budget_are_refused_before_decoding(served, tmp_path):
+    """Headers claiming more pixels than an image may have, or than a request's images may have together (across
+    its prompts), get a 400 naming the limit (decoding any of them would say "truncated"); the server answers the
+    next request."""
+    engine, tokenizer = served
+    server = ServerThread(engine, tokenizer, tmp_path)
+    try:
+        prompt = _prompt(tokenizer, IMAGES[:2])
+        bomb, large = png_header(50_000, 50_000), png_header(6_000, 6_000)  # 2.5 G and 36 M pixels claimed
+        for images, reason in (
+            ([[IMAGES[0], bomb]], "far more than 40,000,000 pixels"),
+            ([[png_header(7_000, 6_000)] * 2], "7000 x 6000 pixels, over the limit of 40,000,000"),
+            ([[large, large], [large, large]], "144,000,000 pixels together, over the limit of 100,000,000"),
+        ):
+            body = {"prompt_token_ids": [prompt] * len(images), "images": images, "sampling": {"max_tokens": 2}}
+            refused = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+            assert refused.status_code == 400 and reason in refused.text, refused.text
+        chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": large}}] * 3}],
+                "max_tokens": 2}  # fmt: skip
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 400 and "max_request_image_pixels" in refused.text, refused.text
+        body = {"prompt_token_ids": prompt, "images": [IMAGES[:2]], "sampling": {"max_tokens": 2}}
+        assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 200
     finally:
         server.stop()
 
@@ -168,3 +196,66 @@ def test_cuda_graphs_give_the_eager_tokens(vl_dir):
     """Decode replayed from CUDA graphs, each row's M-RoPE offset an input column: the eager engine's greedy tokens
     (fp32, as the other graph tests)."""
     assert _greedy_on_cuda(vl_dir, graphs=True) == _greedy_on_cuda(vl_dir, graphs=False)
+
+
+@pytest.mark.slow
+def test_sigterm_during_image_work_ends_the_server_promptly(vl_dir, tmp_path):
+    """`tandem inference` with one image thread and a minute of 36-Mpx images queued behind it: SIGTERM ends it
+    after the graceful wait and the image in hand, not after the queue (the requests in flight are cancelled, the
+    queued image jobs dropped)."""
+    import contextlib
+    import io
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from tandem.inference.main import GRACEFUL_SHUTDOWN_S
+    from tandem.testing.progress import tree_state, wait_for
+
+    buffer = io.BytesIO()
+    Image.new("1", (6000, 6000), 1).save(buffer, format="PNG")  # 36 M white pixels in ~16 KB
+    white = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    command = [
+        sys.executable, "-m", "tandem", "inference", "--model", str(vl_dir), "--model.dtype", "float32",
+        "--device", "cpu", "--port", "0", "--seq-len", "256", "--image-workers", "1", "--log-interval-s", "0",
+        "--output-dir", str(tmp_path), "--run-name", "srv",
+    ]  # fmt: skip
+    log = tmp_path / "server.log"  # a file, not a pipe: shutdown logs every cancelled request's traceback
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    try:
+        server_json = tmp_path / "srv" / "server.json"
+        wait_for(lambda: server_json.is_file() or process.poll() is not None, lambda: tree_state([tmp_path]))
+        assert process.poll() is None, log.read_text()
+        url = json.loads(server_json.read_text())["url"]
+        tokenizer = AutoTokenizer.from_pretrained(vl_dir)
+        body = {"prompt_token_ids": _prompt(tokenizer, [white] * 2), "images": [[white] * 2],
+                "sampling": {"max_tokens": 1}}  # fmt: skip
+        started = time.monotonic()
+        assert httpx.post(f"{url}/generate", json=body, timeout=300).status_code == 200
+        one = time.monotonic() - started
+        count = min(400, int(60 / one) + 1)  # a minute of image work or more, one request after another
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server went away: what SIGTERM is for
+                httpx.post(f"{url}/generate", json=body, timeout=300)
+
+        clients = [threading.Thread(target=send, daemon=True) for _ in range(count)]
+        for client in clients:
+            client.start()
+        time.sleep(1.0)  # the requests read and queued behind the one image thread
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        process.wait(timeout=count * one)  # without the fix: the whole queue
+        elapsed = time.monotonic() - stopping
+        assert process.returncode == 0, log.read_text()[-4000:]
+        assert elapsed < GRACEFUL_SHUTDOWN_S + (count * one) / 3, (elapsed, count, one)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,18 @@ def image_data_url(color: tuple[int, int, int], size: tuple[int, int] = (16, 16)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def png_header(width: int, height: int) -> str:
+    """A data URL of a PNG header claiming `width` x `height` pixels, with no pixel data: decoding it fails as
+    truncated, so a refusal naming a pixel limit shows nothing was decoded."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def tower_pair(hf_tower: type, config: Any, ours: type, args: type) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -71,6 +71,12 @@ class InferenceConfig(RunConfig):
     """torch.compile the module-by-module decode step (decode_kernels = torch); adds compile time at start-up."""
     max_logprobs: int = Field(20, ge=0)
     """Largest top_logprobs / logprobs a request may ask for."""
+    max_image_pixels: int = Field(40_000_000, ge=1, le=40_000_000)
+    """Largest image (width x height, read from its header before anything is decoded) a request may carry; at most 40,000,000, the trainers' limit (tandem.images.MAX_IMAGE_PIXELS), so every image served can be trained on."""
+    max_request_image_pixels: int = Field(100_000_000, ge=1)
+    """Pixels of all the images of one request together (from their headers, before any is decoded); a request over it gets a 400."""
+    image_workers: int = Field(2, ge=1)
+    """Images decoded at once across the server (each in full before it is scaled to what the model uses), on threads of their own."""
 
     @property
     def folds_lora(self) -> bool:

@@ -31,11 +31,11 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.config.inference import InferenceConfig
-from tandem.images import PixelEncoder
+from tandem.images import ImageError, PixelEncoder
 from tandem.inference.kv_budget import kv_cache_blocks, state_slots
 from tandem.inference.limits import BatchLimits, RequestRefused, ServerLimits, check_prompt
 from tandem.inference.outputs import Collector, PromptLogprobs, RequestUpdate, SampleRecord
-from tandem.inference.prompt_images import PromptImages
+from tandem.inference.prompt_images import MAX_IMAGES, PromptImages
 from tandem.inference.prompt_images import expand as expand_prompt
 from tandem.inference.protocol import SamplingParams
 from tandem.inference.requests import Requests, Sampled
@@ -105,6 +105,7 @@ class Engine:
         self.model = model.eval().requires_grad_(False)
         self.pixels = pixels
         """A vision-language model's image processor: requests with images need it."""
+        self.max_request_image_pixels = config.max_request_image_pixels
         self.device = model.lm_head_weight.device
         self.vocab_size, self.max_model_len = model.args.vocab_size, config.seq_len
         num_blocks = kv_cache_blocks(config, model.args, model.lm_head_weight.dtype, self.device)
@@ -204,20 +205,43 @@ class Engine:
         self._send(lambda: self.requests.add(request))
         return request.id
 
-    def expand_images(self, prompt: list[int], refs: list[str]) -> tuple[list[int], PromptImages]:
+    def check_images(self, refs: list[list[str]], stop: Callable[[], bool] | None = None) -> None:
+        """Check a request's images (one list of references per prompt) before any is decoded: RequestRefused for a
+        model without images, more than `MAX_IMAGES` for a prompt, a reference other than a data URL, or an image
+        that is unreadable or over the pixel limits, each image's and the request's together (from the headers,
+        asking `stop` before each)."""
+        every = [ref for urls in refs for ref in urls]
+        pixels = self._pixels(every)
+        if any(len(urls) > MAX_IMAGES for urls in refs):
+            raise RequestRefused(f"{max(map(len, refs))} images for one prompt; at most {MAX_IMAGES}")
+        try:
+            pixels.check(every, self.max_request_image_pixels, stop)
+        except ImageError as error:
+            raise RequestRefused(f"bad image: {error}") from None
+
+    def expand_images(
+        self, prompt: list[int], refs: list[str], stop: Callable[[], bool] | None = None
+    ) -> tuple[list[int], PromptImages]:
         """A vision-language prompt with one placeholder token per image and the images' data URLs: the prompt
         with each placeholder expanded to the image's merged patches, and the images read and processed for
-        `submit`, here on the caller's thread (the engine thread only runs the vision tower). RequestRefused for
-        a model without images, a reference other than a data URL, or an image that is unreadable or too large."""
-        image_token = self.model.args.image_token_id
-        if self.model.visual is None or self.pixels is None or image_token is None:
+        `submit`, here on the caller's thread (the engine thread only runs the vision tower), one at a time,
+        asking `stop` before each. RequestRefused for a model without images, a reference other than a data URL,
+        placeholders that do not match, or an image that is unreadable or too large (`check_images` checks a
+        whole request's first)."""
+        pixels = self._pixels(refs)
+        assert self.model.args.image_token_id is not None
+        try:
+            return expand_prompt(prompt, refs, pixels, self.model.args.image_token_id, stop)
+        except ValueError as error:
+            raise RequestRefused(str(error)) from None
+
+    def _pixels(self, refs: list[str]) -> PixelEncoder:
+        """The image processor, for data URLs `refs`: RequestRefused for a model without images or other refs."""
+        if self.model.visual is None or self.pixels is None or self.model.args.image_token_id is None:
             raise RequestRefused(f"{self.model.args.architecture} takes no images")
         if not all(ref.startswith("data:") for ref in refs):
             raise RequestRefused("images: the server takes data URLs only (data:image/png;base64,...)")
-        try:
-            return expand_prompt(prompt, refs, self.pixels, image_token)
-        except ValueError as error:
-            raise RequestRefused(str(error)) from None
+        return self.pixels
 
     def cancel(self, request_id: str) -> None:
         """Abort a request (finish reason "abort") and free its cache; unknown or finished ids are ignored."""

@@ -207,11 +207,12 @@ def run(config: InferenceConfig) -> int:
     device = _device(config.device)
     stop_on_sigterm()
     run_dir = prepare_run_dir(config)
-    engine = None
+    engine = server = None
     try:
         model = load_served_model(config, model_dir, device, lora)
         tokenizer = _tokenizer(model_dir)
-        pixels = PixelEncoder(model_dir) if model.visual is not None else None  # images: data URLs in requests
+        # images: data URLs in requests
+        pixels = PixelEncoder(model_dir, max_image_pixels=config.max_image_pixels) if model.visual is not None else None
         engine = Engine(
             model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer), pixels=pixels
         )
@@ -237,12 +238,15 @@ def run(config: InferenceConfig) -> int:
             max_prompt_chars=config.max_prompt_chars,
             trust_request_chat_template=config.trust_request_chat_template,
             broadcast_hosts=config.broadcast_hosts,
+            image_workers=config.image_workers,
         )
         summary = ServingSummary(engine.stats, run_dir) if config.log_interval_s > 0 else None
         asyncio.run(_serve(server.app(), config, run_dir, name, summary))
     except Terminated:
         logger.info("stopping on SIGTERM")
     finally:
+        if server is not None:
+            server.close()  # image work still in hand ends after its image; Python waits for that at exit
         if engine is not None:
             engine.stop()
     return 0

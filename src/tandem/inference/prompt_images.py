@@ -6,11 +6,13 @@ references (`tandem.images`: data URLs or, where the server allows them, files).
 images (the model directory's image processor), makes each placeholder as many as the image's merged patches, and
 computes the prompt's M-RoPE positions (`models.layers.rope.mrope_positions`): text after an image runs at its
 index plus a fixed offset, which decode steps add to every generated token (`decode.decode_step`). The vision tower
-runs once per request, on the engine thread (`encode`), whatever `n`: its samples fork after the prompt.
+runs once per request, on the engine thread (`encode`), whatever `n`: its samples fork after the prompt; the pixels
+are dropped once it has, and the request keeps only the tower's features.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +30,10 @@ MAX_IMAGES = 16
 @dataclass
 class PromptImages:
     """What a request's images add to it: pixels and grids, the expanded prompt's M-RoPE positions `[3, L]`, the
-    offset of every later position, the placeholder spans (start, end) and, once encoded, the tower's features."""
+    offset of every later position, the placeholder spans (start, end) and, once encoded, the tower's features
+    (and no more pixels)."""
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     grid_thw: torch.Tensor
     positions: torch.Tensor
     offset: int
@@ -40,17 +43,22 @@ class PromptImages:
 
 
 def expand(
-    prompt: list[int], refs: list[str], pixels: PixelEncoder, image_token_id: int
+    prompt: list[int],
+    refs: list[str],
+    pixels: PixelEncoder,
+    image_token_id: int,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[list[int], PromptImages]:
     """The prompt with each image's placeholder expanded, and its `PromptImages`; ValueError naming the problem
-    (unreadable image, placeholders that do not match the images, too many images)."""
+    (unreadable or too large image, placeholders that do not match the images, too many images). `stop`: asked
+    before each image is decoded (`PixelEncoder.encode`)."""
     if len(refs) > MAX_IMAGES:
         raise ValueError(f"{len(refs)} images in one request; at most {MAX_IMAGES}")
     at = [i for i, token in enumerate(prompt) if token == image_token_id]
     if len(at) != len(refs):
         raise ValueError(f"the prompt has {len(at)} image placeholders for {len(refs)} images (one each)")
     try:
-        pixel_values, grid_thw = pixels.encode(refs)
+        pixel_values, grid_thw = pixels.encode(refs, stop)
     except ImageError as error:
         raise ValueError(f"bad image: {error}") from None
     counts = merged_tokens(grid_thw, pixels.merge).tolist()
@@ -70,13 +78,14 @@ def expand(
 
 @torch.no_grad()
 def encode(model: CausalLM, images: PromptImages) -> None:
-    """Run the vision tower on the request's images (once; on the engine thread, between steps)."""
+    """Run the vision tower on the request's images (once; on the engine thread, between steps), then release
+    their pixels."""
     if images.embeds is not None:
         return
-    assert model.visual is not None
+    assert model.visual is not None and images.pixel_values is not None
     device = model.embed_tokens.weight.device
     embeds, deepstack = model.visual(images.pixel_values.to(device), images.grid_thw.to(device))
-    images.embeds, images.deepstack = embeds, tuple(deepstack)
+    images.embeds, images.deepstack, images.pixel_values = embeds, tuple(deepstack), None
 
 
 def chunk_positions(images: PromptImages | None, start: int, count: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ from tandem.inference.http import (
     sse_response,
     unless_client_gone,
 )
+from tandem.inference.image_work import ImageWork
 from tandem.inference.outputs import Collector, RequestUpdate, SampleUpdate
 from tandem.inference.prompt_images import PromptImages
 from tandem.inference.prompt_tokens import ContextTokenizer
@@ -174,6 +175,7 @@ class InferenceServer:
         max_prompt_chars: int | None = None,
         trust_request_chat_template: bool = False,
         broadcast_hosts: Sequence[str] = (),
+        image_workers: int = 2,
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.base_name = base_name
@@ -187,6 +189,12 @@ class InferenceServer:
         self._weights_lock = asyncio.Lock()
         # the trainer's in-memory weight hand-off (weights_receiver.py)
         self.receiver = ReceiverEndpoint(engine, broadcast_hosts)
+        self.image_work = ImageWork(image_workers)
+        """Requests' images are decoded here: `image_workers` at a time, stopped on `close`."""
+
+    def close(self) -> None:
+        """Stop the image work in flight (each job after the image in hand) and drop what is queued."""
+        self.image_work.close()
 
     def app(self) -> ASGIApp:
         routes = [
@@ -217,19 +225,21 @@ class InferenceServer:
     async def _with_images(
         self, prompts: list[list[int]], refs: list[list[str]] | None
     ) -> tuple[list[list[int]], list[PromptImages | None]]:
-        """The prompts with their images' placeholders expanded and the images read, off the event loop (400 for a
-        bad image, before any prompt is queued)."""
+        """The prompts with their images' placeholders expanded and the images read, on the image threads
+        (`ImageWork`): every image's header and the request's pixels together checked before any is decoded, then
+        one image at a time (400 for a bad image or one over a limit, before any prompt is queued)."""
         if not refs or not any(refs):
             return prompts, [None] * len(prompts)
         expanded: list[list[int]] = []
         images: list[PromptImages | None] = []
         with refusals():
+            await self.image_work.run(self.engine.check_images, refs)
             for prompt, urls in zip(prompts, refs, strict=True):
                 if not urls:
                     expanded.append(prompt)
                     images.append(None)
                     continue
-                ids, prompt_images = await asyncio.to_thread(self.engine.expand_images, prompt, urls)
+                ids, prompt_images = await self.image_work.run(self.engine.expand_images, prompt, urls)
                 expanded.append(ids)
                 images.append(prompt_images)
         return expanded, images
