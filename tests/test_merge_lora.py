@@ -42,7 +42,7 @@ def test_merge_lora_writes_a_finite_checkpoint(inputs, tmp_path):
 
 
 def test_merge_lora_refuses_merged_weights_that_are_not_finite(inputs, tmp_path, capsys):
-    base, adapter = inputs
+    base, _ = inputs
     # finite fp32 factors whose product (4 * 300 * 300 * alpha / r = 7.2e5) is past fp16's largest value, 65504
     big = {name: torch.full_like(t, 300.0) for name, t in adapter_state_dict(adapted_model(base, ARGS, 1)).items()}
     write_adapter(tmp_path / "big", big, ARGS)

@@ -17,9 +17,8 @@ def test_a_second_eval_is_refused_naming_the_holder(tmp_path):
     with run_lock(tmp_path):
         record = (tmp_path / LOCK).read_bytes()
         assert len(record) == PID_BYTES and int(record) == os.getpid()
-        with pytest.raises(ConfigError, match=rf"in use by another eval \(pid {os.getpid()}\)"):
-            with run_lock(tmp_path):
-                pass
+        with pytest.raises(ConfigError, match=rf"in use by another eval \(pid {os.getpid()}\)"), run_lock(tmp_path):
+            pass
     assert (tmp_path / LOCK).read_bytes() == b""  # released: no pid claims it
     with run_lock(tmp_path):  # free again
         pass
@@ -33,9 +32,8 @@ def test_the_pid_is_read_once_the_holder_has_written_it(tmp_path):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         writer = threading.Timer(0.2, lambda: os.pwrite(fd, f"{os.getpid():<19}\n".encode(), 0))
         writer.start()
-        with pytest.raises(ConfigError, match=rf"\(pid {os.getpid()}\)"):
-            with run_lock(tmp_path):
-                pass
+        with pytest.raises(ConfigError, match=rf"\(pid {os.getpid()}\)"), run_lock(tmp_path):
+            pass
         writer.join()
     finally:
         os.close(fd)
