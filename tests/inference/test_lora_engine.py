@@ -5,13 +5,16 @@ hand-off (shared, broadcast, file) moves the adapters only, in place, folding th
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import torch
 
 from support.inference import ServerThread, engine_config, trainer_logprobs
-from support.lora import adapted_model
+from support.lora import BROKEN_ADAPTERS, adapted_model, break_adapter
 from support.polling import wait_until
+from tandem.cli import main
 from tandem.config import ConfigError
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
@@ -107,6 +110,46 @@ def test_a_bad_adapter_directory_is_a_config_error_before_loading(model_dir, tmp
         lora_to_serve(engine_config(base, model={"name": str(base), "lora": {"rank": 4, "experts": True}}), base)
     with pytest.raises(ValueError, match="served by the built-in engine only"):
         engine_config(base, engine="vllm", model={"name": str(base), "lora": {"rank": 4, "experts": True}})
+
+
+@pytest.mark.parametrize("case", ["nan", "int64", "alpha-nan", "alpha-huge", "no-r", "r-string", "deep-json"])
+def test_tandem_inference_refuses_a_broken_adapter_in_one_line(case, model_dir, tmp_path, capsys, monkeypatch):
+    """At start-up the adapter passes the same loader and checks as /update_weights: a NaN adapter or alpha is
+    never served (every answer would be empty), an integer one never cast to a no-op."""
+
+    def served(*args, **kwargs):
+        raise AssertionError("the broken adapter passed the start-up checks")  # (instead of serving it forever)
+
+    monkeypatch.setattr("tandem.inference.main.load_served_model", served)
+    base = model_dir()
+    broken = break_adapter(save_adapter(_adapted(base, seed=0), tmp_path / "good"), tmp_path / case, case)
+    argv = ["inference", "--model", str(base), "--lora-adapter", str(broken), "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("tandem inference: error: inference.lora_adapter: "), err
+    assert err.count("\n") == 1 and re.search(BROKEN_ADAPTERS[case][1], err), err
+
+
+def test_update_weights_refuses_a_broken_adapter_with_a_400(model_dir, tokenizer, tmp_path, engines):
+    base = model_dir()
+    lora = {"rank": ARGS.rank, "alpha": ARGS.alpha, "target_modules": list(ARGS.target_modules)}
+    engines.append(engine := _engine(base, tokenizer, model={"name": str(base), "dtype": "float32", "lora": lora}))
+    served = {name: t.clone() for name, t in engine.model.named_parameters()}
+    good = write_adapter(tmp_path / "good", adapter_state_dict(_adapted(base, seed=1)), ARGS)
+    server = ServerThread(engine, tokenizer, tmp_path)
+    try:
+        for case, (_, message) in BROKEN_ADAPTERS.items():
+            path = break_adapter(good, tmp_path / case, case)
+            answer = httpx.post(f"{server.url}/update_weights", json={"path": str(path), "version": 1}, timeout=60)
+            assert answer.status_code == 400, (case, answer.text)
+            assert re.search(message, answer.json()["error"]["message"]), (case, answer.text)
+        assert engine.version == 0
+        for name, param in engine.model.named_parameters():
+            assert torch.equal(param, served[name]), name  # nothing was touched
+        answer = httpx.post(f"{server.url}/update_weights", json={"path": str(good), "version": 1}, timeout=60)
+        assert answer.status_code == 200 and engine.version == 1
+    finally:
+        server.stop()
 
 
 def _join(server: ServerThread, sender) -> None:

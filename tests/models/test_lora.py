@@ -11,11 +11,13 @@ import json
 import pytest
 import torch
 
+from support.lora import BROKEN_ADAPTERS, break_adapter
 from support.model_parity import hf_load
 from support.tiny_models import INIT_STD
 from tandem.models import AttnInputs, load_model, save_model
 from tandem.models.lora import (
     LORA_TARGETS,
+    MAX_LORA_SCALE,
     LoraArgs,
     LoraError,
     LoraLinear,
@@ -182,3 +184,31 @@ def test_mistakes_are_named(base_dir, tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
     with pytest.raises(LoraError, match="rank 8"):
         load_peft_adapter(model, tmp_path / "a")
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_ADAPTERS))
+def test_a_broken_adapter_is_refused_by_the_one_loader(base_dir, tmp_path, case):
+    """Malformed configs, non-finite or integer tensors, absurd alphas: a LoraError naming the file and what is
+    wrong, from `read_adapter` and from `load_peft_adapter` (merge-lora), before the model is touched."""
+    good = save_adapter(_tandem_with_adapter(base_dir("qwen3"), SUBSET), tmp_path / "good")
+    broken = break_adapter(good, tmp_path / case, case)
+    message = BROKEN_ADAPTERS[case][1]
+    with pytest.raises(LoraError, match=message) as refused:
+        read_adapter(broken)
+    assert str(broken) in str(refused.value) and "\n" not in str(refused.value)
+    model = load_model(base_dir("qwen3"))
+    with pytest.raises(LoraError, match=message):
+        load_peft_adapter(model, broken)
+    assert lora_args(model) is None
+
+
+def test_lora_args_bound_rank_alpha_and_scale():
+    assert LoraArgs(rank=1, alpha=MAX_LORA_SCALE).scale == MAX_LORA_SCALE
+    with pytest.raises(LoraError, match=r"alpha / rank = 2001 / 2 = 1000.5 is over 1000"):
+        LoraArgs(rank=2, alpha=2001)
+    for alpha in (float("nan"), float("inf"), 0.0, -8.0, True):
+        with pytest.raises(LoraError, match="alpha must be a positive, finite number"):
+            LoraArgs(rank=4, alpha=alpha)
+    for rank in (0, -1, 4.0, True):
+        with pytest.raises(LoraError, match="rank must be positive"):
+            LoraArgs(rank=rank)

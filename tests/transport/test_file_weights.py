@@ -42,3 +42,14 @@ def test_pruning_keeps_the_served_policy_and_newer(tmp_path):
     (root / ".step-000007.tmp-abc").mkdir()  # a save in progress
     assert prune_policies(root, served=5) == [1, 4]
     assert sorted(p.name for p in root.iterdir()) == [".step-000007.tmp-abc", "step-000005", "step-000006"]
+
+
+def test_the_final_policy_prunes_every_older_one(tmp_path):
+    """The orchestrator prunes only up to what every server serves and stops before the last policies: writing
+    the final one leaves it alone in `policies/`, as the in-memory kinds do (`publish_final`)."""
+    exported: list[int] = []
+    publisher = _publisher(tmp_path, exported)
+    for version in (7, 8, 9, 10):  # 10 is the final policy (max_steps)
+        publisher.publish(version)
+    assert sorted(p.name for p in (tmp_path / "policies").iterdir()) == ["step-000010"]
+    assert exported == [7, 8, 9, 10]

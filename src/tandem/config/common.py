@@ -25,7 +25,7 @@ class LoraConfig(Section):
 
     rank: int = Field(0, ge=0)
     """Adapter rank r (0: off, full fine-tuning). On: only the adapters train; the base weights stay frozen in model.dtype."""
-    alpha: float = Field(16.0, gt=0)
+    alpha: float = Field(16.0, gt=0, allow_inf_nan=False)
     """Scaling numerator: the adapter's output is multiplied by alpha / rank (PEFT's `lora_alpha`)."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on each adapter's input during training (PEFT's `lora_dropout`)."""

@@ -109,14 +109,14 @@ def lora_to_serve(config: InferenceConfig, model_dir: Path) -> LoraArgs | None:
     hand-off); both set, they must agree. None: no adapters. ConfigError naming the setting otherwise."""
     section = config.model.lora
     wanted = None
-    if section.enabled:
-        wanted = LoraArgs.of(section, dropout=0.0)
+    try:
+        if section.enabled:
+            wanted = LoraArgs.of(section, dropout=0.0)
+        if config.lora_adapter is None and wanted is not None:
+            apply_lora(build_model(model_dir, device="meta"), wanted)
+    except LoraError as error:
+        raise ConfigError(f"model.lora: {error}") from None
     if config.lora_adapter is None:
-        if wanted is not None:
-            try:
-                apply_lora(build_model(model_dir, device="meta"), wanted)
-            except LoraError as error:
-                raise ConfigError(f"model.lora: {error}") from None
         return wanted
     path = Path(config.lora_adapter).expanduser()
     try:
@@ -186,7 +186,10 @@ def load_served_model(
         return model
     apply_lora(model, lora, seed=0)
     if config.lora_adapter is not None:
-        load_peft_adapter(model, config.lora_adapter)
+        try:
+            load_peft_adapter(model, config.lora_adapter)  # checked by `lora_to_serve`, read again here
+        except LoraError as error:
+            raise ConfigError(f"inference.lora_adapter: {error}") from None
     folded = config.folds_lora
     if folded:
         fold_adapters(model)

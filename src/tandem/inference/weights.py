@@ -32,6 +32,7 @@ from tandem.models import (
     ModelArgs,
     ModelWeightsError,
     OutsideDirectoryError,
+    all_finite,
     iter_runtime_tensors,
     model_args,
     open_safetensors,
@@ -98,15 +99,9 @@ def checkpoint_args(path: Path, current: ModelArgs) -> ModelArgs:
 
 
 def _check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
-    """WeightsError if `tensor` holds a NaN or an infinity.
-
-    One min/max reduction reads the tensor once and allocates nothing (NaN propagates into both, an infinity
-    shows as an infinite extreme), where `isfinite(t).all()` writes a whole boolean copy first.
-    """
-    if tensor.is_floating_point() and tensor.numel():
-        low, high = torch.aminmax(tensor)
-        if not (torch.isfinite(low) and torch.isfinite(high)):
-            raise WeightsError(f"{path}: {name} holds NaN or infinite values; refusing to serve them")
+    """WeightsError if `tensor` holds a NaN or an infinity (`models.all_finite`)."""
+    if not all_finite(tensor):
+        raise WeightsError(f"{path}: {name} holds NaN or infinite values; refusing to serve them")
 
 
 def _check_same_model(served: Shapes, offered: Shapes, path: Path) -> None:
@@ -125,8 +120,9 @@ def weight_targets(model: CausalLM) -> dict[str, torch.Tensor]:
 
 
 def read_served_adapter(path: Path, served: LoraArgs) -> dict[str, torch.Tensor]:
-    """The PEFT adapter directory `path`'s tensors (PEFT keys, on CPU), read only from inside `path`, checked to
-    have the served adapters' rank, alpha and targets and finite values; WeightsError (or ForbiddenWeightsPath)."""
+    """The PEFT adapter directory `path`'s tensors (PEFT keys, on CPU), read only from inside `path` by the one
+    adapter loader (`read_adapter`: a well-formed config, float tensors of its rank, finite values) and checked to
+    have the served adapters' rank, alpha and targets; WeightsError (or ForbiddenWeightsPath)."""
     for name in (ADAPTER_CONFIG, "adapter_model.safetensors"):
         try:
             resolve_inside(path / name, path)
@@ -138,8 +134,6 @@ def read_served_adapter(path: Path, served: LoraArgs) -> dict[str, torch.Tensor]
         raise WeightsError(f"cannot load the adapter {path}: {error}") from None
     if args.layout != served.layout:
         raise WeightsError(f"{path}: the adapter has {args}; the served adapters {served}")
-    for name, tensor in peft.items():
-        _check_finite(path, name, tensor)
     return peft
 
 

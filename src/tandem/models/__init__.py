@@ -8,6 +8,7 @@ from .build import RUNTIME_OPTIONS, build_model, load_model, model_args
 from .checkpoint import (
     ModelWeightsError,
     OutsideDirectoryError,
+    all_finite,
     hf_tensors,
     iter_runtime_tensors,
     load_weights,
@@ -44,6 +45,7 @@ __all__ = [
     "StateBatch",
     "StateCache",
     "TokenLogprobs",
+    "all_finite",
     "build_model",
     "cross_entropy",
     "fused_nll_sum",

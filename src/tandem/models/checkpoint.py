@@ -74,6 +74,20 @@ def resolve_inside(path: str | Path, root: str | Path) -> Path:
     return real
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` holds no NaN and no infinity (a non-float tensor always does): the one finiteness check of
+    every weight tandem reads or writes (a served checkpoint, an adapter, a merged model), since one NaN poisons
+    every activation computed from it.
+
+    One min/max reduction reads the tensor once and allocates nothing (NaN propagates into both, an infinity
+    shows as an infinite extreme), where `isfinite(t).all()` writes a whole boolean copy first.
+    """
+    if not tensor.is_floating_point() or not tensor.numel():
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
+
+
 @dataclass(frozen=True)
 class Fused:
     """One runtime tensor from HF tensors: each group in `parts` is concatenated on dim 0 (`sizes` rows each,

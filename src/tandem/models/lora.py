@@ -16,8 +16,8 @@ low-rank pair per expert on each stacked projection, stored as PEFT's `target_pa
 (`experts.lora_A.gate_up_proj` `[E * r, H]`, PEFT's `mlp.experts.base_layer.lora_A.weight`).
 
 Functions: `apply_lora`, `lora_args`, `lora_parameters`, `adapter_state_dict`, `is_adapter_name`, `peft_key`,
-`to_peft_state_dict`, `from_peft_state_dict`, `peft_config`, `save_adapter`, `write_adapter`, `read_adapter`,
-`load_peft_adapter`, `merge_lora`, `fold_adapters` (serving: adapters folded into the weights, a base copy kept),
+`to_peft_state_dict`, `from_peft_state_dict`, `peft_config`, `save_adapter`, `write_adapter`, `read_adapter` (the
+one loader of adapter files: `read_adapter_config`, `check_adapter_tensors`), `load_peft_adapter`, `merge_lora`, `fold_adapters` (serving: adapters folded into the weights, a base copy kept),
 `route_adapters` (serving base and adapter side by side: a per-row gate on the adapters' output).
 """
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .checkpoint import _remove_interrupted_saves, _replace_dir
+from .checkpoint import _remove_interrupted_saves, _replace_dir, all_finite
 from .config import ModelArgs
 from .layers.moe import Experts, LowRank
 from .registry import ARCHITECTURES
@@ -51,6 +51,14 @@ PEFT_PREFIX = "base_model.model."
 """What PEFT puts before the base model's own parameter names in a saved adapter."""
 PEFT_VERSION = "0.21.2"
 """The PEFT version whose `adapter_config.json` keys `peft_config` writes."""
+MAX_LORA_SCALE = 1000.0
+"""The largest scale `alpha / rank` an adapter may have. Recipes use 0.5 to 64 (alpha = r or 2r; alpha 64 at rank
+1); an output scaled by over a thousand is a mistyped `lora_alpha`, which folded into bf16 or fp16 weights
+overflows them."""
+ADAPTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The dtypes adapter tensors may have in a file (an integer adapter would be cast to a no-op)."""
+ADAPTER_CONFIG_BYTES = 1 << 20
+"""The largest `adapter_config.json` read (PEFT writes about 2 KB)."""
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.)")
@@ -77,8 +85,19 @@ class LoraArgs:
     """Adapters on the routed experts' stacked projections too (`LoraExperts`)."""
 
     def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise LoraError(f"LoRA rank must be positive, got {self.rank}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise LoraError(f"LoRA rank must be positive (an integer), got {self.rank!r}")
+        try:
+            alpha = float(self.alpha)
+        except (TypeError, ValueError, OverflowError):
+            alpha = math.nan
+        if isinstance(self.alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+            raise LoraError(f"LoRA alpha must be a positive, finite number, got {self.alpha!r}")
+        if alpha / self.rank > MAX_LORA_SCALE:
+            raise LoraError(
+                f"LoRA scale alpha / rank = {alpha:g} / {self.rank} = {alpha / self.rank:g} is over {MAX_LORA_SCALE:g} "
+                "(tandem's bound: recipes use 0.5 to 64); is alpha mistyped?"
+            )
         unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
         if unknown or not (self.target_modules or self.experts):
             raise LoraError(f"unknown LoRA targets {unknown}; valid: {', '.join(LORA_TARGETS)}")
@@ -540,6 +559,28 @@ _UNSUPPORTED = {
     "use_qalora": False,
     "alora_invocation_tokens": None,
 }
+_PEFT_FACTOR = re.compile(r"\.lora_(?P<ab>[AB])(\.[^.]+)?\.weight$")
+"""A PEFT adapter key's factor (`...lora_A.weight`, or with the adapter's name `...lora_A.default.weight`)."""
+_PEFT_EXPERTS = re.compile(r"\.experts\.(base_layer\.)?lora_[AB]\.")
+"""A PEFT key of stacked routed experts, whose rank dimension holds E * r (`LoraExperts`)."""
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What a PEFT adapter's `adapter_config.json` says that tandem uses (`read_adapter_config`)."""
+
+    args: LoraArgs
+    base_model: str
+    """`base_model_name_or_path` ('' when unset)."""
+
+
+def _shown(value: object) -> str:
+    """A value of a config for a message: its repr, cut short (a config may hold anything)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "a deeply nested value"
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _expert_targets(config_file: Path, target_parameters: object) -> bool:
@@ -547,14 +588,16 @@ def _expert_targets(config_file: Path, target_parameters: object) -> bool:
     what tandem runs); LoraError for any other parameter target."""
     if not target_parameters:
         return False
-    names = target_parameters if isinstance(target_parameters, list) else [target_parameters]
+    names = [target_parameters] if isinstance(target_parameters, str) else target_parameters
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise LoraError(f"{config_file}: target_parameters must be a list of names, got {_shown(target_parameters)}")
     params = set()
     for name in names:
-        module, _, param = str(name).rpartition(".")
+        module, _, param = name.rpartition(".")
         if param not in EXPERT_PARAMETERS or module.rpartition(".")[2] != "experts":
             raise LoraError(
-                f"{config_file}: target_parameters {name!r} is not supported; tandem adapts the routed experts' "
-                f"stacked projections ({', '.join('experts.' + p for p in EXPERT_PARAMETERS)})"
+                f"{config_file}: target_parameters {_shown(name)} is not supported; tandem adapts the routed "
+                f"experts' stacked projections ({', '.join('experts.' + p for p in EXPERT_PARAMETERS)})"
             )
         params.add(param)
     if "down_proj" not in params or not params & {"gate_up_proj", "up_proj"}:
@@ -565,47 +608,124 @@ def _expert_targets(config_file: Path, target_parameters: object) -> bool:
     return True
 
 
-def read_adapter(path: str | Path) -> tuple[LoraArgs, dict[str, torch.Tensor]]:
-    """A PEFT LoRA adapter directory's `LoraArgs` and tensors (PEFT keys); LoraError for what tandem does not
-    run (DoRA, rsLoRA, per-module ranks, modules_to_save, bias, ...), naming the setting."""
-    path = Path(path)
-    config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
-    if not config_file.is_file() or not weights.is_file():
-        raise LoraError(f"{path} is not a PEFT adapter directory: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+def _target_modules(config_file: Path, targets: object, experts: bool) -> tuple[str, ...]:
+    """The projections a PEFT config's `target_modules` (a list of names, one name, or `all-linear`) adapt."""
+    if isinstance(targets, str):
+        targets = list(LORA_TARGETS) if targets == "all-linear" else [targets]
+    if experts and not targets:
+        return ()
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise LoraError(f"{config_file}: target_modules must be a list of projection names, got {_shown(targets)}")
+    if unknown := sorted(set(targets) - set(LORA_TARGETS)):
+        raise LoraError(f"{config_file}: targets {unknown} are not supported; tandem adapts {', '.join(LORA_TARGETS)}")
+    return tuple(t for t in LORA_TARGETS if t in targets)
+
+
+def _number(config_file: Path, key: str, value: object, *, integer: bool = False) -> Any:
+    """`value` of `key` if it is a JSON number (an integer where `integer`), else LoraError naming the key."""
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integer else "a number"
+        raise LoraError(f"{config_file}: {key} must be {kind}, got {_shown(value)}")
+    if integer:
+        return value
     try:
-        config = json.loads(config_file.read_bytes())
-    except ValueError as error:
-        raise LoraError(f"{config_file} is not valid JSON: {error}") from None
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        raise LoraError(f"{config_file}: {key} = {_shown(value)} is beyond any float") from None
+
+
+def _parse_adapter_config(config_file: Path, config: object) -> AdapterConfig:
+    """The explicit checks of a parsed `adapter_config.json`: every key tandem reads has the type PEFT writes, and
+    what tandem does not compute is refused by name."""
+    if not isinstance(config, dict):
+        raise LoraError(f"{config_file} must hold a JSON object (PEFT's LoraConfig), not {type(config).__name__}")
+    if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{config_file}: only PEFT LoRA adapters load (peft_type LORA)")
     for key, default in _UNSUPPORTED.items():
         value = config.get(key, default)
         if value != default and value not in (None, False, [], {}):
-            raise LoraError(f"{config_file}: {key} = {value!r} is not supported (only {default!r})")
+            raise LoraError(f"{config_file}: {key} = {_shown(value)} is not supported (only {default!r})")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise LoraError(f"{config_file}: {key} (per-module ranks or alphas) is not supported")
+    if "r" not in config:
+        raise LoraError(f"{config_file} has no `r` (the adapter's rank)")
     experts = _expert_targets(config_file, config.get("target_parameters"))
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        targets = list(LORA_TARGETS) if targets == "all-linear" else [targets]
-    if experts and not targets:
-        targets = []
-    elif not isinstance(targets, list) or not targets:
-        raise LoraError(f"{config_file}: target_modules must be a list of projection names, got {targets!r}")
-    if unknown := sorted(set(targets) - set(LORA_TARGETS)):
-        raise LoraError(f"{config_file}: targets {unknown} are not supported; tandem adapts {', '.join(LORA_TARGETS)}")
-    args = LoraArgs(
-        rank=int(config["r"]),
-        alpha=float(config.get("lora_alpha", 8)),
-        dropout=float(config.get("lora_dropout", 0.0)),
-        target_modules=tuple(t for t in LORA_TARGETS if t in targets),
-        experts=experts,
-    )
+    base_model = config.get("base_model_name_or_path") or ""
+    if not isinstance(base_model, str):
+        raise LoraError(f"{config_file}: base_model_name_or_path must be a string, got {_shown(base_model)}")
+    dropout = config.get("lora_dropout")
+    try:
+        args = LoraArgs(
+            rank=_number(config_file, "r", config["r"], integer=True),
+            alpha=_number(config_file, "lora_alpha", config.get("lora_alpha", 8)),
+            dropout=0.0 if dropout is None else _number(config_file, "lora_dropout", dropout),
+            target_modules=_target_modules(config_file, config.get("target_modules"), experts),
+            experts=experts,
+        )
+    except LoraError as error:
+        message = str(error)
+        raise LoraError(message if message.startswith(str(config_file)) else f"{config_file}: {message}") from None
+    return AdapterConfig(args, base_model)
+
+
+def read_adapter_config(path: str | Path) -> AdapterConfig:
+    """The one reader of a PEFT adapter directory's `adapter_config.json`: at most `ADAPTER_CONFIG_BYTES`, a JSON
+    object whose keys have the types PEFT writes, and settings tandem runs (`LoraArgs`' bounds on rank, alpha and
+    scale included); LoraError naming the file and the key otherwise (DoRA, rsLoRA, per-module ranks,
+    modules_to_save, bias, a missing or malformed `r`, ...)."""
+    config_file = Path(path) / ADAPTER_CONFIG
+    try:
+        with open(config_file, "rb") as handle:
+            raw = handle.read(ADAPTER_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise LoraError(f"{config_file} is not readable: {error.strerror or error}") from None
+    if len(raw) > ADAPTER_CONFIG_BYTES:
+        raise LoraError(f"{config_file} is over {ADAPTER_CONFIG_BYTES} bytes; PEFT writes about 2 KB")
+    try:
+        config = json.loads(raw)
+    except RecursionError:
+        raise LoraError(f"{config_file} is not an adapter config: its JSON nests too deep") from None
+    except ValueError as error:
+        raise LoraError(f"{config_file} is not valid JSON: {error}") from None
+    return _parse_adapter_config(config_file, config)
+
+
+def check_adapter_tensors(weights: Path, rank: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """LoraError unless every tensor of a PEFT adapter file is a 2-D float matrix of the config's rank `r` (r rows
+    of A and r columns of B; E * r for stacked experts), with finite values: an integer adapter would be cast to
+    a no-op, and a NaN reaches every answer."""
+    for key, tensor in tensors.items():
+        if tensor.dtype not in ADAPTER_DTYPES:
+            dtypes = ", ".join(str(dtype).removeprefix("torch.") for dtype in ADAPTER_DTYPES)
+            raise LoraError(f"{weights}: {key} is {str(tensor.dtype).removeprefix('torch.')}, not one of {dtypes}")
+        if tensor.dim() != 2:
+            raise LoraError(f"{weights}: {key} has shape {tuple(tensor.shape)}, not a matrix")
+        if factor := _PEFT_FACTOR.search(key):
+            size = tensor.shape[0] if factor["ab"] == "A" else tensor.shape[1]
+            if (size % rank if _PEFT_EXPERTS.search(key) else size != rank) or not size:
+                raise LoraError(
+                    f"{weights}: {key} has shape {tuple(tensor.shape)}, not that of rank {rank} ({ADAPTER_CONFIG}'s r)"
+                )
+        if not all_finite(tensor):
+            raise LoraError(f"{weights}: {key} holds NaN or infinite values")
+
+
+def read_adapter(path: str | Path) -> tuple[LoraArgs, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory's `LoraArgs` and tensors (PEFT keys), both checked
+    (`read_adapter_config`, `check_adapter_tensors`): the one loader of adapter files, for serving at start-up
+    and by `/update_weights` (either engine), for `tandem merge-lora` and `load_peft_adapter`."""
+    path = Path(path)
+    config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights.is_file():
+        raise LoraError(f"{path} is not a PEFT adapter directory: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    args = read_adapter_config(path).args
     try:
         tensors = load_file(weights)
     except Exception as error:  # SafetensorError has no importable base besides Exception
         raise LoraError(f"{weights} is not readable safetensors: {error}") from None
+    check_adapter_tensors(weights, args.rank, tensors)
     return args, tensors
 
 

@@ -17,7 +17,15 @@ from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
 from tandem.models import ModelArgs, build_model, load_model, model_args, save_model
 from tandem.models.checkpoint import INDEX_FILE
-from tandem.models.lora import LoraArgs, apply_lora, is_adapter_name, lora_args, peft_prefix, write_adapter
+from tandem.models.lora import (
+    LoraArgs,
+    LoraError,
+    apply_lora,
+    is_adapter_name,
+    lora_args,
+    peft_prefix,
+    write_adapter,
+)
 from tandem.trainer.expert_parallel import apply_expert_parallel
 from tandem.trainer.metrics import flops_per_token
 from tandem.trainer.parallel import DTYPES, World, full_tensors, shard_model
@@ -177,7 +185,10 @@ def check_lora(config, args: ModelArgs) -> LoraArgs | None:
         raise ConfigError("model.lora does not run with model.expert_parallel > 1 yet; set model.expert_parallel = 1")
     if section.experts and args.moe is None:
         raise ConfigError(f"model.lora.experts = true needs an MoE model; {config.model.name} has no routed experts")
-    return LoraArgs.of(section)
+    try:
+        return LoraArgs.of(section)
+    except LoraError as error:
+        raise ConfigError(f"model.lora: {error}") from None
 
 
 def export_hf(model: torch.nn.Module, info: ModelInfo, path: Path, world: World, dtype: str) -> None:

@@ -10,7 +10,8 @@
 
 Both in-memory kinds share one control plane (`control.py`: rendezvous, offers, answers, deadlines) and one
 orchestrator follower (`follower.py`); the servers' end is `tandem.inference.weights_receiver`. Whatever the
-kind, the final policy is written as a directory: it is the run's result.
+kind, the final policy is written as a directory and is then all `policies/` holds (`publish_final`): it is the
+run's result.
 
 The trainer side (`WeightPublisher`) is built by `tandem.trainer.publish.make_publisher`, which hands a
 `PolicySource` over, so this package never imports the trainer's modules (the inference server imports it).
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
+
+from tandem.transport.policies import prune_policies
 
 Transport = Literal["file", "broadcast", "shared"]
 
@@ -44,6 +47,14 @@ class PolicySource:
     """The current full tensors in manifest order and dtype; collective: every rank iterates to the end."""
     export: Callable[[int], None]
     """Write policy N as a complete directory `<run>/policies/step-N/`; collective."""
+
+
+def publish_final(source: PolicySource) -> None:
+    """Write the final policy as a directory, then prune every older one (`transport.policies.prune_policies`):
+    whatever the kind, a finished run's `policies/` holds its result alone. Collective, as `export` is."""
+    source.export(source.final_version)
+    if source.is_main:
+        prune_policies(source.run_dir / "policies", source.final_version)
 
 
 class WeightPublisher(Protocol):

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.files import atomic_write_text
 from tandem.transport.shared_buffer import DTYPES
-from tandem.transport.weights import PolicySource
+from tandem.transport.weights import PolicySource, publish_final
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ class InMemoryPublisher:
     def publish(self, version: int) -> None:
         if version == self.source.final_version:
             self.settle()
-            self.source.export(version)
+            publish_final(self.source)
         else:
             self.hand_off(version)
 

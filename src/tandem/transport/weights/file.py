@@ -4,7 +4,8 @@ The trainer writes it whole and marks it complete last (`tandem.transport.polici
 newest complete one, pauses every server, has each load it (`/update_weights`) and resumes them. It needs no
 more of a server than the HTTP contract, so vLLM takes it too. The orchestrator prunes the directories older
 than the one every server serves, so a resumed run may find its checkpoint's policy gone: the trainer writes
-it again from the checkpoint's weights.
+it again from the checkpoint's weights. Writing the final policy prunes every older one (`publish_final`, as for
+the in-memory kinds), so a finished run leaves the final policy alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.transport.policies import is_complete, latest_policy, policy_dir
-from tandem.transport.weights import PolicySource
+from tandem.transport.weights import PolicySource, publish_final
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,10 @@ class FilePublisher:
         self.source = source
 
     def publish(self, version: int) -> None:
-        self.source.export(version)
+        if version == self.source.final_version:
+            publish_final(self.source)  # the policies the orchestrator did not get to prune go too
+        else:
+            self.source.export(version)
 
     def resumed(self, version: int) -> None:
         """Write checkpoint `version`'s policy again if the orchestrator pruned it: servers started afresh need it."""
@@ -51,7 +55,15 @@ class FileFollower:
     async def poll(self) -> None:
         newest = latest_policy(self.root)
         if newest > self.pool.version:
-            await self.load(policy_dir(self.root, newest).resolve(), newest)
+            path = policy_dir(self.root, newest).resolve()
+            try:
+                await self.load(path, newest)
+            except Exception:  # the client's RequestError (transport does not import the client)
+                if is_complete(path):
+                    raise
+                # the trainer wrote its final policy and pruned this one while the servers read it (a refused
+                # load touches nothing): the next round loads the final one
+                logger.info("policy %d was pruned while loading; the newest follows", newest)
 
     async def load(self, path: Path, version: int) -> None:
         """Pause every server, swap in policy `version`, resume: requests in flight continue with it.
