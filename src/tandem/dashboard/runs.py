@@ -8,8 +8,10 @@ gets. A record that is not a JSON object is skipped and counted; values of the w
 number is needed, so one bad line or run never breaks a page.
 
 Status rule: "finished" if an end marker exists (`summary.json` for an eval, `hf/final` for SFT, or the
-last step reached `max_steps` from the run's TOML); else "running" if a data file (`DATA_FILES`; an inference
-server's heartbeat counts) changed in the last `RUNNING_WINDOW_S` seconds; else "failed".
+last step reached `max_steps` from the run's TOML); else "stopped" if the run's own process recorded a clean stop
+(`<kind>.stopped.json`, `tandem.run.records_clean_stop`: an inference server ended by SIGTERM or Ctrl-C); else
+"running" if a data file (`DATA_FILES`; an inference server's heartbeat counts) changed in the last
+`RUNNING_WINDOW_S` seconds; else "failed".
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from tandem.jsonl import JsonlFollower
+from tandem.run import STOPPED_SUFFIX
 
 RUNNING_WINDOW_S = 60.0
 KINDS = ("rl", "sft", "eval", "trainer", "orchestrator", "inference")
@@ -225,6 +228,8 @@ def run_status(run: Run, steps: int, now: float | None = None) -> str:
         finished = (final is not None and final.is_dir()) or (limit is not None and steps >= limit)
     if finished:
         return "finished"
+    if run.file(f"{run.kind}{STOPPED_SUFFIX}") is not None:
+        return "stopped"
     mtimes = [m for m in (mtime(run.file(name)) for name in DATA_FILES) if m is not None]
     recent = bool(mtimes) and (now or time.time()) - max(mtimes) < RUNNING_WINDOW_S
     return "running" if recent else "failed"
