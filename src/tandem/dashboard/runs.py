@@ -20,6 +20,7 @@ import math
 import threading
 import time
 import tomllib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -34,6 +35,8 @@ MAX_CONFIG_BYTES = 1 << 20
 """A run's TOML larger than this is not parsed (tandem writes a few KiB): its status cannot use `max_steps`."""
 STORED_POINTS = 4096
 """Records kept per metrics series (an even number): the most a chart can ask for."""
+MAX_RESUMES = 256
+"""Resume points kept per metrics file (a real run resumes a handful of times)."""
 
 
 def is_number(value: Any) -> bool:
@@ -144,12 +147,14 @@ class MetricsLog(FollowedFile):
 
     Values that need every record are derived as records arrive, before sampling drops any: the trainer's
     cumulative idle time (it logs `idle_s` per step), the inference servers' idle time per step (the orchestrator
-    logs `inference_idle_s` cumulatively), the mean staleness, and the heartbeat's `uptime_s`.
+    logs `inference_idle_s` cumulatively), the mean staleness, the heartbeat's `uptime_s`, and the steps the run
+    resumed from (`resumed_from`, on the trainer's first record after a resume; the latest `MAX_RESUMES`).
     """
 
     def _reset(self) -> None:
         self.steps = Strided()
         self.evals = Strided()
+        self.resumes: deque[int] = deque(maxlen=MAX_RESUMES)
         self.max_step = 0
         self._idle_total = 0.0
         self._inference_idle: float | None = None
@@ -175,6 +180,9 @@ class MetricsLog(FollowedFile):
             self._inference_idle = cumulative
         if (mean := staleness_mean(record.get("staleness"))) is not None:
             record["staleness_mean"] = mean
+        resumed = record.get("resumed_from")
+        if is_number(resumed):
+            self.resumes.append(resumed)
         now = record.get("time")
         if is_number(now):
             self._first_time = now if self._first_time is None else self._first_time
