@@ -124,7 +124,11 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         assert polylines(rl_page, "reward") == {"overall": (5, 5), "reward/a": (5, 5)}
         assert polylines(rl_page, "masked") == {"low": (5, 5), "high": (5, 5)}
         # async: step 1 alone trains on its own policy's samples (lag 0), later steps on the previous one's
-        assert polylines(rl_page, "mismatch_kl") == {"lag 0": (1, 1), "all tokens": (5, 5), "off_policy_kl/lag1": (4, 5)}
+        assert polylines(rl_page, "mismatch_kl") == {
+            "lag 0": (1, 1),
+            "all tokens": (5, 5),
+            "off_policy_kl/lag1": (4, 5),
+        }
         assert polylines(rl_page, "staleness") == {"mean staleness": (5, 5)}
         assert polylines(rl_page, "online_eval") == {"eval/a/reward": (1, 2)}
         assert polylines(rl_page, "online_eval_pass") == {"eval/a/pass@1": (1, 2)}
