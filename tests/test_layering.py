@@ -35,11 +35,11 @@ ALLOWED: dict[str, tuple[str, ...] | str] = {
     # root utility modules
     "files": (),
     "images": (),
-    "net": (),
     "checkpoints": (),
     "packing": (),
     "wire": (),
     "hub": ("config",),
+    "net": ("config",),  # a port that cannot be bound is the user's ConfigError
     "jsonl": ("files",),
     "run": ("config", "files"),
     "client": ("config", "wire"),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -129,6 +133,30 @@ def prepare_run_dir(config: RunConfig, process: str | None = None) -> Path:
     setup_logging(config.log.level, run_dir / "logs" / f"{process}.log")
     logger.info("run directory: %s", run_dir)
     return run_dir
+
+
+STOPPED_SUFFIX = ".stopped.json"
+"""`<process>.stopped.json` in a run directory: that process stopped cleanly (`records_clean_stop`)."""
+
+
+@contextmanager
+def records_clean_stop(run_dir: Path, process: str) -> Iterator[None]:
+    """Around a server's whole life: when it ends by returning or by Ctrl-C (a SIGTERM the server turns into a
+    return), write `<run_dir>/<process>.stopped.json` (`{"time", "pid"}`, atomically), so a server stopped on
+    purpose is told from one that died (whose heartbeat merely stops: the dashboard's `stopped` vs `failed`). An
+    earlier run's marker is removed first: a server serving again in the same directory is not stopped."""
+    marker = run_dir / f"{process}{STOPPED_SUFFIX}"
+    marker.unlink(missing_ok=True)
+
+    def record() -> None:
+        atomic_write_text(marker, json.dumps({"time": round(time.time(), 3), "pid": os.getpid()}) + "\n")
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        record()
+        raise
+    record()
 
 
 def step_progress(label: str, total: int, completed: int = 0) -> tuple[Progress, int]:

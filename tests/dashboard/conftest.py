@@ -15,15 +15,16 @@ OLD = 1_700_000_000  # an mtime far in the past: nothing written recently
 
 @pytest.fixture
 def outputs(tmp_path) -> Path:
-    """rl-run (finished, 5 steps, half-written last line, rollouts, a server heartbeat), sft-old (failed),
-    evals (running, no summary)."""
+    """rl-run (finished, 5 steps, resumed from step 3, half-written last line, rollouts, a server heartbeat),
+    sft-old (failed), evals (running, no summary)."""
     rl = tmp_path / "rl-run"
     rl.mkdir()
     (rl / "rl.toml").write_text("max_steps = 5\n[trainer]\nmax_steps = 5\n")
+    # entropy: a range narrower than its value's 3 decimals; resumed after step 3's checkpoint
     trainer = [
         {"step": s, "loss": 1.0 / s, "grad_norm": 2.0, "masked_low": 0.01, "masked_high": 0.02, "idle_s": float(s),
          "mismatch_kl": 1e-3 if s == 1 else None, "off_policy_kl/lag1": None if s == 1 else 0.01 * s,
-         "off_policy_kl": 0.01 * s}
+         "off_policy_kl": 0.01 * s, "entropy": 10.37411 + 1e-5 * s, **({"resumed_from": 3} if s == 4 else {})}
         for s in range(1, 6)
     ]  # fmt: skip
     write_jsonl(rl / "metrics.jsonl", trainer, tail='{"step": 6, "lo')

@@ -33,6 +33,17 @@ def test_metrics_split_trainer_orchestrator_and_online_evals(client):
     assert data["evals"] == [{"kind": "eval", "step": 2, "eval/a/reward": 0.5, "eval/a/pass@1": 0.5, "eval/a/ok": 4}]
 
 
+def test_the_steps_a_run_resumed_from_are_kept_however_the_records_are_sampled(client, outputs):
+    assert client.get("/api/runs/rl-run/metrics?max_points=2").json()["resumes"] == [3]
+    assert client.get("/api/runs/sft-old/metrics").json()["resumes"] == []
+    records = [
+        {"step": s, "loss": 1.0, **({"resumed_from": s - 1} if s in (500, 7001) else {})} for s in range(1, 9000)
+    ]
+    (outputs / "sft-old" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = client.get("/api/runs/sft-old/metrics?max_points=2").json()
+    assert [r["step"] for r in data["trainer"]] == [1, 8999] and data["resumes"] == [499, 7000]
+
+
 def test_idle_times_come_both_per_step_and_cumulative(client):
     data = client.get("/api/runs/rl-run/metrics").json()
     assert [r["idle_s"] for r in data["trainer"]] == [1.0, 2.0, 3.0, 4.0, 5.0]

@@ -124,8 +124,12 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
         assert polylines(rl_page, "reward") == {"overall": (5, 5), "reward/a": (5, 5)}
         assert polylines(rl_page, "masked") == {"low": (5, 5), "high": (5, 5)}
         # async: step 1 alone trains on its own policy's samples (lag 0), later steps on the previous one's
-        assert polylines(rl_page, "mismatch_kl") == {"lag 0": (1, 1), "all tokens": (5, 5), "off_policy_kl/lag1": (4, 5)}
-        assert polylines(rl_page, "staleness") == {"mean lag": (5, 5)}
+        assert polylines(rl_page, "mismatch_kl") == {
+            "lag 0": (1, 1),
+            "all tokens": (5, 5),
+            "off_policy_kl/lag1": (4, 5),
+        }
+        assert polylines(rl_page, "staleness") == {"mean staleness": (5, 5)}
         assert polylines(rl_page, "online_eval") == {"eval/a/reward": (1, 2)}
         assert polylines(rl_page, "online_eval_pass") == {"eval/a/pass@1": (1, 2)}
         assert polylines(rl_page, "idle_step") == {"trainer": (5, 5), "inference": (5, 5)}
@@ -168,3 +172,32 @@ def test_the_dashboard_renders_real_runs_in_chromium(tmp_path, tiny_model_dir, o
             chromium(tmp_path, f"--screenshot={screenshot}", "--window-size=1280,1600", f"{base}{url}")
             assert screenshot.stat().st_size > 10_000
             print(f"screenshot: {screenshot}")
+
+
+def chart_svg(page: str, chart: str) -> str:
+    svg = re.search(rf'<svg data-chart="{chart}"[^>]*>.*?</svg>', page, re.S)
+    assert svg, f"no {chart} chart"
+    return svg.group(0)
+
+
+def ticks(page: str, chart: str, axis: str) -> list[str]:
+    """The tick labels of one axis of a chart in a dumped DOM: the top (or left) end first."""
+    return re.findall(rf'<text[^>]*class="tick-{axis}"[^>]*>([^<]*)</text>', chart_svg(page, chart))
+
+
+def test_axis_ticks_resolve_a_narrow_range_and_resumes_are_marked(tmp_path, outputs):
+    """The synthetic RL run: entropy 10.37412 to 10.37416 (three decimals read 10.374 at both ends), and the
+    trainer's record of step 4 saying it resumed from step 3's checkpoint."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with spawn(tandem_command("dashboard", "--outputs", str(outputs), "--port", str(port))) as dashboard:
+        dashboard.wait_until(lambda: answers(f"{base}/api/runs"), "it answered")
+        page = chromium(tmp_path, "--dump-dom", f"{base}/run/rl-run")
+    assert ticks(page, "entropy", "y") == ["10.374160", "10.374120"]
+    assert ticks(page, "entropy", "x") == ["1", "5"]
+    assert ticks(page, "loss", "y") == ["1.00", "0.20"]  # a wide range keeps few decimals
+    assert ticks(page, "inference_tokens", "x") == ["0", "15"]
+    for chart in ("entropy", "loss", "reward", "staleness"):  # every chart over steps, trainer's or orchestrator's
+        assert re.findall(r'<line[^>]*class="resume" data-step="(\d+)"', chart_svg(page, chart)) == ["3"], chart
+    assert 'class="resume"' not in chart_svg(page, "inference_tokens")  # over seconds up: no step to mark
+    assert "resumed from step 3" in page

@@ -15,6 +15,7 @@ from support.dashboard_records import heartbeat
 from support.jsonl import write_jsonl
 from tandem.dashboard.listing import list_runs
 from tandem.dashboard.runs import STORED_POINTS, MetricsLog, Outputs, Strided, downsample
+from tandem.run import records_clean_stop
 
 
 def steps(log: MetricsLog) -> list[int]:
@@ -156,6 +157,29 @@ def test_a_live_inference_server_is_running_not_failed(tmp_path):
     os.utime(server / "inference_metrics.jsonl", (old, old))
     os.utime(server / "inference.toml", (old, old))
     assert list_runs(Outputs(tmp_path))[0]["status"] == "failed"  # its heartbeat stopped long ago
+
+
+def test_a_cleanly_stopped_server_is_stopped_and_a_dead_one_failed(tmp_path):
+    """`records_clean_stop` marks a server that ended on SIGTERM or Ctrl-C; one that died leaves no mark."""
+    old = time.time() - 600
+    for name, ending in (("stopped", KeyboardInterrupt), ("died", RuntimeError)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "inference.toml").write_text("")
+        with pytest.raises(ending), records_clean_stop(tmp_path / name, "inference"):
+            write_jsonl(tmp_path / name / "inference_metrics.jsonl", [heartbeat(0)])
+            raise ending
+    rl = tmp_path / "rl-crashed"  # tandem rl's server stops cleanly when the trainer dies: the run still failed
+    rl.mkdir()
+    (rl / "rl.toml").write_text("max_steps = 5\n")
+    write_jsonl(rl / "metrics.jsonl", [{"step": 1, "loss": 1.0}])
+    with records_clean_stop(rl, "inference"):
+        pass
+    for path in tmp_path.rglob("*"):
+        os.utime(path, (old, old))
+    statuses = {row["name"]: row["status"] for row in list_runs(Outputs(tmp_path))}
+    assert statuses == {"stopped": "stopped", "died": "failed", "rl-crashed": "failed"}
+    with records_clean_stop(tmp_path / "stopped", "inference"):  # serving again in the same directory
+        assert {row["name"]: row["status"] for row in list_runs(Outputs(tmp_path))}["stopped"] == "failed"
 
 
 def test_a_run_with_unreadable_or_corrupt_files_is_listed_with_what_can_be_read(outputs, monkeypatch):

@@ -1,5 +1,6 @@
-"""`tandem inference` as a process: port 0 and server.json, the serving summary, SIGTERM, config mistakes, and
-`tandem eval --model` running against it end to end."""
+"""`tandem inference` as a process: port 0 and server.json, the serving summary, SIGTERM (recorded as a clean
+stop), config mistakes and a port in use (before the model loads), and `tandem eval --model` running against it end
+to end."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import httpx
 import pytest
 
 from support.jsonl import read_jsonl
+from support.servers import taken_port
 from tandem.cli import main
+from tandem.dashboard.listing import list_runs
+from tandem.dashboard.runs import Outputs
+from tandem.inference import main as inference_main
 from tandem.jsonl import read_records
 from tandem.testing.progress import tree_state, wait_for
 
@@ -50,6 +55,8 @@ def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, t
     assert f"tandem inference listening on {info['url']}" in out
     log = (tmp_path / "srv" / "logs" / "inference.log").read_text()
     assert "serving: " in log and "tokens/s" in log
+    assert json.loads((tmp_path / "srv" / "inference.stopped.json").read_text())["pid"] == process.pid
+    assert [(row["name"], row["status"]) for row in list_runs(Outputs(tmp_path))] == [("srv", "stopped")]
 
 
 @pytest.mark.parametrize(
@@ -66,6 +73,19 @@ def test_config_mistakes_exit_2_with_a_message(argv, message, model_dir, tmp_pat
     model = [] if argv[:1] == ["--model"] or not argv else ["--model", str(model_dir("qwen3"))]
     assert main(["inference", *model, *argv, "--output-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_port_in_use_exits_2_in_one_line_before_the_model_loads(model_dir, tmp_path, capsys, monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(inference_main, "load_served_model", load)
+    with taken_port() as port:
+        argv = ["inference", "--model", str(model_dir("qwen3")), "--port", str(port), "--output-dir", str(tmp_path)]
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"tandem inference: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert list(tmp_path.iterdir()) == []  # nothing written: not even the run directory
 
 
 def test_tandem_eval_runs_against_the_built_in_server(model_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""Loopback servers for tests: a free port for a child to listen on, and an ASGI app served on a thread.
+"""Loopback servers for tests: a free port for a child to listen on, a port already taken, and an ASGI app served
+on a thread.
 
 Every in-process test server (the inference server, the fake OpenAI server) is an `AppThread`, so they all
 bind, start and stop the same way: a socket bound to port 0 before the thread starts (no race for the port),
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Self
 
 import uvicorn
@@ -22,6 +25,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def taken_port() -> Iterator[int]:
+    """A loopback port another server is listening on for the duration of the `with` block."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
 
 
 class AppThread:

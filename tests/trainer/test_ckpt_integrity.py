@@ -216,6 +216,7 @@ def test_sft_resume_past_a_damaged_newest_checkpoint_continues_exactly(tiny_mode
     assert f"{damaged} fails its CRC-32 checksum" in log and "resuming from step 2" in log
     resumed = read_metrics(tmp_path / "run")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert [m.get("resumed_from") for m in resumed] == [None, None, 2, None]  # where the dashboard marks it
     assert [m["loss"] for m in resumed] == [m["loss"] for m in first]
     verify_checkpoint(tmp_path / "run" / "checkpoints" / "step-000004")  # written again, whole
 

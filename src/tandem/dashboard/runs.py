@@ -8,8 +8,10 @@ gets. A record that is not a JSON object is skipped and counted; values of the w
 number is needed, so one bad line or run never breaks a page.
 
 Status rule: "finished" if an end marker exists (`summary.json` for an eval, `hf/final` for SFT, or the
-last step reached `max_steps` from the run's TOML); else "running" if a data file (`DATA_FILES`; an inference
-server's heartbeat counts) changed in the last `RUNNING_WINDOW_S` seconds; else "failed".
+last step reached `max_steps` from the run's TOML); else "stopped" if the run's own process recorded a clean stop
+(`<kind>.stopped.json`, `tandem.run.records_clean_stop`: an inference server ended by SIGTERM or Ctrl-C); else
+"running" if a data file (`DATA_FILES`; an inference server's heartbeat counts) changed in the last
+`RUNNING_WINDOW_S` seconds; else "failed".
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import math
 import threading
 import time
 import tomllib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from tandem.jsonl import JsonlFollower
+from tandem.run import STOPPED_SUFFIX
 
 RUNNING_WINDOW_S = 60.0
 KINDS = ("rl", "sft", "eval", "trainer", "orchestrator", "inference")
@@ -31,6 +35,8 @@ MAX_CONFIG_BYTES = 1 << 20
 """A run's TOML larger than this is not parsed (tandem writes a few KiB): its status cannot use `max_steps`."""
 STORED_POINTS = 4096
 """Records kept per metrics series (an even number): the most a chart can ask for."""
+MAX_RESUMES = 256
+"""Resume points kept per metrics file (a real run resumes a handful of times)."""
 
 
 def is_number(value: Any) -> bool:
@@ -141,12 +147,14 @@ class MetricsLog(FollowedFile):
 
     Values that need every record are derived as records arrive, before sampling drops any: the trainer's
     cumulative idle time (it logs `idle_s` per step), the inference servers' idle time per step (the orchestrator
-    logs `inference_idle_s` cumulatively), the mean staleness, and the heartbeat's `uptime_s`.
+    logs `inference_idle_s` cumulatively), the mean staleness, the heartbeat's `uptime_s`, and the steps the run
+    resumed from (`resumed_from`, on the trainer's first record after a resume; the latest `MAX_RESUMES`).
     """
 
     def _reset(self) -> None:
         self.steps = Strided()
         self.evals = Strided()
+        self.resumes: deque[int] = deque(maxlen=MAX_RESUMES)
         self.max_step = 0
         self._idle_total = 0.0
         self._inference_idle: float | None = None
@@ -172,6 +180,9 @@ class MetricsLog(FollowedFile):
             self._inference_idle = cumulative
         if (mean := staleness_mean(record.get("staleness"))) is not None:
             record["staleness_mean"] = mean
+        resumed = record.get("resumed_from")
+        if is_number(resumed):
+            self.resumes.append(resumed)
         now = record.get("time")
         if is_number(now):
             self._first_time = now if self._first_time is None else self._first_time
@@ -225,6 +236,8 @@ def run_status(run: Run, steps: int, now: float | None = None) -> str:
         finished = (final is not None and final.is_dir()) or (limit is not None and steps >= limit)
     if finished:
         return "finished"
+    if run.file(f"{run.kind}{STOPPED_SUFFIX}") is not None:
+        return "stopped"
     mtimes = [m for m in (mtime(run.file(name)) for name in DATA_FILES) if m is not None]
     recent = bool(mtimes) and (now or time.time()) - max(mtimes) < RUNNING_WINDOW_S
     return "running" if recent else "failed"

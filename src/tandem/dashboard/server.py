@@ -96,7 +96,8 @@ def sample_filter(query: QueryParams) -> SampleFilter:
 
 
 def metrics_payload(outputs: Outputs, run: Run, max_points: int) -> dict[str, Any]:
-    """A run's trainer, orchestrator, online eval and inference heartbeat records, each at most `max_points`."""
+    """A run's trainer, orchestrator, online eval and inference heartbeat records, each at most `max_points`, and
+    `resumes`: the steps the trainer resumed from (the charts mark each), in order."""
     with outputs.lock:
         trainer = outputs.metrics(run, "metrics.jsonl")
         orchestrator = outputs.metrics(run, "orchestrator_metrics.jsonl")
@@ -110,6 +111,7 @@ def metrics_payload(outputs: Outputs, run: Run, max_points: int) -> dict[str, An
         for name, log in groups.items():
             payload[name] = downsample(log.steps.items(), max_points) if log else []
         payload["evals"] = downsample(orchestrator.evals.items(), max_points) if orchestrator else []
+        payload["resumes"] = sorted(trainer.resumes) if trainer else []
     return payload
 
 

@@ -39,8 +39,8 @@ from tandem.models.lora import (
     load_peft_adapter,
     read_adapter,
 )
-from tandem.net import is_loopback
-from tandem.run import prepare_run_dir
+from tandem.net import bind_server_socket, is_loopback
+from tandem.run import prepare_run_dir, records_clean_stop
 
 logger = logging.getLogger(__name__)
 
@@ -203,13 +203,30 @@ def run(config: InferenceConfig) -> int:
     admin_token = _admin_token(config)
     check_context(config.seq_len, model_dir)
     lora = lora_to_serve(config, model_dir)
-    if config.engine == "vllm":
-        from tandem.inference.vllm.launch import serve
+    with bind_server_socket(config.host, config.port) as sock:  # a port in use ends here, before the model loads
+        if config.engine == "vllm":
+            from tandem.inference.vllm.launch import serve
 
-        return serve(config, model_dir, admin_token, lora)
-    device = _device(config.device)
-    stop_on_sigterm()
-    run_dir = prepare_run_dir(config)
+            sock.close()  # vLLM binds the port itself
+            return serve(config, model_dir, admin_token, lora)
+        device = _device(config.device)
+        stop_on_sigterm()
+        run_dir = prepare_run_dir(config)
+        with records_clean_stop(run_dir, config.command):
+            _run_engine(config, model_dir, device, lora, admin_token, run_dir, sock)
+    return 0
+
+
+def _run_engine(
+    config: InferenceConfig,
+    model_dir: Path,
+    device: torch.device,
+    lora: LoraArgs | None,
+    admin_token: str | None,
+    run_dir: Path,
+    sock: socket.socket,
+) -> None:
+    """Load the model, start the engine and serve on `sock` until SIGTERM (or Ctrl-C); the engine stops either way."""
     engine = server = None
     try:
         model = load_served_model(config, model_dir, device, lora)
@@ -244,7 +261,7 @@ def run(config: InferenceConfig) -> int:
             image_workers=config.image_workers,
         )
         summary = ServingSummary(engine.stats, run_dir) if config.log_interval_s > 0 else None
-        asyncio.run(_serve(server.app(), config, run_dir, name, summary))
+        asyncio.run(_serve(server.app(), config, sock, run_dir, name, summary))
     except Terminated:
         logger.info("stopping on SIGTERM")
     finally:
@@ -252,25 +269,11 @@ def run(config: InferenceConfig) -> int:
             server.close()  # image work still in hand ends after its image; Python waits for that at exit
         if engine is not None:
             engine.stop()
-    return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP: asyncio then sets TCP_NODELAY on each connection; without it Nagle + delayed ACK add ~40 ms
-    # to every response under ~64 KB (a rollout in msgpack, /health, /pause, /update_weights, /resume)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {error}") from None
-    return sock
-
-
-async def _serve(app: Any, config: InferenceConfig, run_dir: Path, name: str, summary: ServingSummary | None) -> None:
-    sock = _listen(config.host, config.port)
+async def _serve(
+    app: Any, config: InferenceConfig, sock: socket.socket, run_dir: Path, name: str, summary: ServingSummary | None
+) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -6,6 +6,7 @@ import logging
 import resource
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,12 +37,20 @@ def flops_per_token(non_embedding_params: int, num_layers: int, num_heads: int, 
 
 class MetricsWriter(JsonlWriter):
     """metrics.jsonl (rank 0 only), one line per step: a fresh run starts it empty; a run resumed from step N's
-    checkpoint keeps the steps up to N, so no step is counted twice."""
+    checkpoint keeps the steps up to N, so no step is counted twice, and its first record (step N+1) says
+    `"resumed_from": N`, so the file itself tells where the run resumed (the dashboard marks it on its charts)."""
 
     def __init__(self, path: Path, resume_step: int = 0):
         if resume_step:
             keep_steps_up_to(path, resume_step)
         super().__init__(path, truncate=not resume_step)
+        self._resumed_from = resume_step or None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._resumed_from is not None:
+            record = {**record, "resumed_from": self._resumed_from}
+            self._resumed_from = None
+        super().write(record)
 
 
 class StepTimer:

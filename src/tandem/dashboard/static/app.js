@@ -25,8 +25,22 @@ function fmt(value) {
   return Math.abs(value) >= 1000 || Math.abs(value) < 0.001 ? value.toExponential(2) : value.toFixed(3);
 }
 
-// Draw `series` ([{label, points: [[x, y], ...]}]) into the SVG `svg` as polylines with axis labels.
-function drawChart(svg, series) {
+// A formatter for the tick labels of an axis from `lo` to `hi`: as many decimals as the range needs for its two
+// ends to read differently (at least two significant digits of the range), in exponent form past 1e6 or under 1e-3.
+function tickFormat(lo, hi) {
+  const range = hi - lo, magnitude = Math.max(Math.abs(lo), Math.abs(hi));
+  const whole = Number.isInteger(lo) && Number.isInteger(hi) && range >= 1;  // steps, counts
+  const decimals = whole ? 0 : range > 0 ? Math.max(0, Math.ceil(-Math.log10(range)) + 1) : 3;
+  if (magnitude >= 1e6 || (magnitude > 0 && magnitude < 1e-3)) {
+    const digits = Math.floor(Math.log10(magnitude)) + decimals;
+    return (value) => value.toExponential(Math.min(Math.max(digits, 2), 15));
+  }
+  return (value) => value.toFixed(Math.min(decimals, 15));
+}
+
+// Draw `series` ([{label, points: [[x, y], ...]}]) into the SVG `svg` as polylines with axis labels, and a dashed
+// line at each step in `resumes` (where the run resumed from a checkpoint) when x is the step.
+function drawChart(svg, series, resumes = []) {
   const width = 360, height = 160, left = 48, right = 8, top = 8, bottom = 20;
   svg.replaceChildren();
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
@@ -43,11 +57,21 @@ function drawChart(svg, series) {
   const sx = (x) => left + ((x - x0) / (x1 - x0)) * (width - left - right);
   const sy = (y) => top + (1 - (y - y0) / (y1 - y0)) * (height - top - bottom);
   svg.appendChild(el("svg:rect", { x: left, y: top, width: width - left - right, height: height - top - bottom, fill: "none", stroke: "#ddd" }));
-  const label = (x, y, text, anchor) => svg.appendChild(el("svg:text", { x, y, "font-size": 10, "text-anchor": anchor, fill: "#666" }, text));
-  label(left - 4, top + 8, fmt(y1), "end");
-  label(left - 4, height - bottom, fmt(y0), "end");
-  label(left, height - 6, fmt(x0), "start");
-  label(width - right, height - 6, fmt(x1), "end");
+  const label = (x, y, text, anchor, axis) =>
+    svg.appendChild(el("svg:text", { x, y, "font-size": 10, "text-anchor": anchor, fill: "#666", class: `tick-${axis}` }, text));
+  const [fx, fy] = [tickFormat(x0, x1), tickFormat(y0, y1)];
+  label(left - 4, top + 8, fy(y1), "end", "y");
+  label(left - 4, height - bottom, fy(y0), "end", "y");
+  label(left, height - 6, fx(x0), "start", "x");
+  label(width - right, height - 6, fx(x1), "end", "x");
+  for (const step of resumes.filter((step) => step >= x0 && step <= x1)) {
+    const line = el("svg:line", {
+      x1: sx(step), x2: sx(step), y1: top, y2: height - bottom, stroke: "#999", "stroke-dasharray": "3 2",
+      class: "resume", "data-step": step,
+    });
+    line.appendChild(el("svg:title", {}, `resumed from step ${step}'s checkpoint`));
+    svg.appendChild(line);
+  }
   series.forEach((s, i) => {
     if (!s.points.length) return;
     const color = COLORS[i % COLORS.length];
@@ -82,14 +106,14 @@ const CHARTS = [
   { id: "reward", title: "reward", series: [["orchestrator", "reward", "overall"]], pattern: ["orchestrator", /^reward\/.+/] },
   { id: "loss", title: "loss", series: [["trainer", "loss", "loss"]] },
   { id: "masked", title: "masked token fraction", series: [["trainer", "masked_low", "low"], ["trainer", "masked_high", "high"]] },
-  { id: "mismatch_kl", title: "trainer vs sampler KL by policy lag (lag 0: the pure mismatch)", series: [["trainer", "mismatch_kl", "lag 0"], ["trainer", "off_policy_kl", "all tokens"]], pattern: ["trainer", /^off_policy_kl\/lag.+/] },
+  { id: "mismatch_kl", title: "trainer vs sampler KL by policy lag (versions the trainer's policy is ahead of the token's sampler; lag 0: the pure mismatch)", series: [["trainer", "mismatch_kl", "lag 0"], ["trainer", "off_policy_kl", "all tokens"]], pattern: ["trainer", /^off_policy_kl\/lag.+/] },
   { id: "entropy", title: "entropy", series: [["trainer", "entropy", "entropy"]] },
   { id: "grad_norm", title: "grad norm", series: [["trainer", "grad_norm", "grad norm"]] },
   { id: "tokens_per_s", title: "tokens per second", series: [["trainer", "tokens_per_s", "trainer"], ["orchestrator", "rollout_tokens_per_s", "rollouts"]] },
   { id: "step_time", title: "step time (s)", series: [["trainer", "step_time_s", "trainer step"], ["orchestrator", "batch_time_s", "orchestrator batch"]] },
   { id: "idle_step", title: "idle time per step (s): trainer waiting for a batch, inference with nothing in flight", series: [["trainer", "idle_s", "trainer"], ["orchestrator", "inference_idle_step_s", "inference"]] },
   { id: "idle_total", title: "cumulative idle time (s)", series: [["trainer", "idle_total_s", "trainer"], ["orchestrator", "inference_idle_s", "inference"]] },
-  { id: "staleness", title: "staleness (mean version lag)", series: [["orchestrator", "staleness_mean", "mean lag"]] },
+  { id: "staleness", title: "staleness: batch step minus a rollout's oldest policy version (mean; its oldest token's policy lag + 1)", series: [["orchestrator", "staleness_mean", "mean staleness"]] },
   { id: "online_eval", title: "online eval reward", series: [], pattern: ["evals", /^eval\/.+\/reward$/] },
   { id: "online_eval_pass", title: "online eval pass@k", series: [], pattern: ["evals", /^eval\/.+\/pass@\d+$/] },
   { id: "inference_tokens", title: "inference tokens per second (x: seconds up)", x: "uptime_s", series: [["inference", "tokens_per_s", "tokens/s"]] },
@@ -127,7 +151,7 @@ async function runPage() {
     let shown = 0;
     for (const { chart, box, svg } of views) {
       const series = chartSeries(chart, data);
-      drawChart(svg, series);
+      drawChart(svg, series, (chart.x ?? "step") === "step" ? data.resumes : []);
       const legend = series.map((s, i) => s.points.length &&
         el("span", { style: `color:${COLORS[i % COLORS.length]}` }, `${s.label}: ${fmt(s.points[s.points.length - 1][1])}`));
       box.querySelector(".legend").replaceChildren(...legend.filter(Boolean));
@@ -136,7 +160,8 @@ async function runPage() {
     }
     const { trainer, orchestrator, inference } = data.steps;
     document.getElementById("info").textContent = `${data.kind} · trainer steps ${trainer} · orchestrator steps ${orchestrator}` +
-      (inference ? ` · inference heartbeats ${inference}` : "") + (shown ? "" : " · no metrics yet");
+      (inference ? ` · inference heartbeats ${inference}` : "") +
+      (data.resumes.length ? ` · resumed from step ${data.resumes.join(", ")} (dashed lines)` : "") + (shown ? "" : " · no metrics yet");
     if (!browser && RL_KINDS.includes(data.kind)) {
       const section = document.getElementById("rollouts");
       section.hidden = false;

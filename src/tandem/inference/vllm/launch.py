@@ -23,7 +23,7 @@ from tandem.inference.startup import Terminated, stop_on_sigterm
 from tandem.inference.vllm.routes import SETTINGS_ENV, RouteSettings
 from tandem.models import build_model, model_args
 from tandem.models.lora import LoraArgs, adapter_state_dict, apply_lora, lora_modules, peft_prefix, write_adapter
-from tandem.run import prepare_run_dir
+from tandem.run import prepare_run_dir, records_clean_stop
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +147,9 @@ def serve(config: InferenceConfig, model_dir: Path, admin_token: str | None, lor
     served = name if adapter is None else f"{adapter.name}` (LoRA adapter {adapter.path}) and `{name}"
     logger.info("serving %s as `%s` with vLLM %s: vllm serve %s", model_dir, served, vllm.__version__, " ".join(argv))
     stop_on_sigterm()
-    try:
-        uvloop.run(run_server(args))
-    except (Terminated, KeyboardInterrupt):
-        logger.info("stopping on a signal")
+    with records_clean_stop(run_dir, config.command):
+        try:
+            uvloop.run(run_server(args))
+        except (Terminated, KeyboardInterrupt):
+            logger.info("stopping on a signal")
     return 0
