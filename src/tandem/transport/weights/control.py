@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.files import atomic_write_text
 from tandem.transport.shared_buffer import DTYPES
-from tandem.transport.weights import PolicySource
+from tandem.transport.weights.base import PolicySource
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.transport.policies import is_complete, latest_policy, policy_dir
-from tandem.transport.weights import PolicySource
+from tandem.transport.weights.base import PolicySource
 
 logger = logging.getLogger(__name__)
 
