@@ -1,6 +1,5 @@
 """The wire contract between tandem's processes, imported by both ends of every HTTP hop: the inference servers
-(built-in and vLLM) on one side, the orchestrator, `tandem eval`'s client and the trainer's kept-ids replay on the
-other.
+(built-in and vLLM) on one side, the orchestrator and `tandem eval`'s client on the other.
 
 - `protocol.py`: the request and response models of `/generate`, the admin routes and the OpenAI subset
   (pydantic only);
