@@ -203,6 +203,7 @@ def documented(markdown: str) -> Documented:
     """The layering of the `## Layering` section of `markdown`: its table (a row `| units | what they may
     import |`, where "the root utilities", "everything" and "nothing else of tandem" stand for what they say),
     its sentence "The root utilities are ...", and its exceptions, written "`source` → `target`"."""
+    assert "\n## Layering\n" in markdown, "docs/architecture.md has no `## Layering` section"
     section = markdown.split("\n## Layering\n", 1)[1].split("\n## ", 1)[0]
     listed = re.search(r"The root utilities are (.*?)\.(\s|$)", section, re.DOTALL)
     utilities = frozenset(_named(listed.group(1))) if listed else frozenset()
@@ -264,6 +265,8 @@ def test_a_documented_row_that_differs_from_the_table_is_reported():
     doc = ARCHITECTURE.read_text(encoding="utf-8")
     assert not disagreements(documented(doc))
     wrong = doc.replace("| `envs` | `config` |", "| `envs` | `config`, `models` |", 1)
+    assert wrong != doc
     assert disagreements(documented(wrong)) == ["envs: the docs add models"]
     dropped = doc.replace("`orchestrator` → `eval`", "`orchestrator` to `eval`", 1)
+    assert dropped != doc
     assert disagreements(documented(dropped)) == ["the exceptions: the docs leave out orchestrator → eval"]
