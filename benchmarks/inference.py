@@ -62,9 +62,9 @@ from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.kv_budget import state_bytes
 from tandem.inference.main import recurrent_kernels
 from tandem.inference.outputs import RequestUpdate
-from tandem.inference.protocol import SamplingParams
 from tandem.models import build_model
 from tandem.models.layers.moe import Experts
+from tandem.wire.protocol import SamplingParams
 
 TINY_NEXT = {
     "hidden": 256, "heads": 4, "head_dim": 64, "intermediate": 512, "vocab": 2048, "experts": 8, "top_k": 2,

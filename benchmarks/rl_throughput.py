@@ -629,8 +629,8 @@ def decode_alone(spec: dict[str, Any], out: str) -> None:
     from tandem.config import load_config
     from tandem.config.inference import InferenceConfig
     from tandem.inference.engine import Engine
-    from tandem.inference.protocol import SamplingParams
     from tandem.models import load_model
+    from tandem.wire.protocol import SamplingParams
 
     if spec["inference_toml"]:
         config = load_config(InferenceConfig, ["@", spec["inference_toml"]])[0]

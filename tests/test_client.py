@@ -9,7 +9,7 @@ import pytest
 
 from tandem.client import OpenAIClient, RequestError
 from tandem.config.eval import RetryConfig
-from tandem.wire import QUEUE_DEPTH_HEADER
+from tandem.wire.codec import QUEUE_DEPTH_HEADER
 
 FAST = {"backoff_s": 0.001, "max_backoff_s": 0.01}
 

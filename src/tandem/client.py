@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import httpx
 
-from tandem import wire
 from tandem.config.eval import RetryConfig
+from tandem.wire import codec
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO, drowning a run's log
 
@@ -47,7 +47,7 @@ class Feedback:
 
 
 CONTEXT_FULL = re.compile(
-    r"the context is \d+ \(seq_len\)"  # tandem's server, either engine (`inference.protocol.context_room`)
+    r"the context is \d+ \(seq_len\)"  # tandem's server, either engine (`wire.protocol.context_room`)
     r"|maximum context length is \d+"  # vLLM's OpenAI server (and OpenAI's API)
     r"|longer than the maximum model length",  # vLLM's input processor
     re.IGNORECASE,
@@ -117,17 +117,17 @@ def _server_root(base_url: str) -> str:
     return root.removesuffix("/v1")
 
 
-_MSGPACK_HEADERS = {"Content-Type": wire.MEDIA_TYPE, "Accept": wire.MEDIA_TYPE}
+_MSGPACK_HEADERS = {"Content-Type": codec.MEDIA_TYPE, "Accept": codec.MEDIA_TYPE}
 
 
 def _decoded(response: httpx.Response, method: str, path: str, msgpack: bool) -> Any:
     """The body: msgpack (decoded safely) when it was asked for and its `Content-Type` says so (a server that
     cannot answer msgpack answers JSON), else JSON; RequestError if it is not what it says."""
     media = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    if msgpack and media == wire.MEDIA_TYPE:
+    if msgpack and media == codec.MEDIA_TYPE:
         try:
-            return wire.unpack(response.content)
-        except wire.MsgpackError as error:
+            return codec.unpack(response.content)
+        except codec.MsgpackError as error:
             raise RequestError("protocol", f"{method} {path}: {error}") from None
     try:
         return response.json()
@@ -201,7 +201,7 @@ class OpenAIClient:
                 await asyncio.sleep(self._backoff(attempt, error.retry_after))
                 attempt += 1
         latency = time.monotonic() - started
-        depth = _header_number(response, wire.QUEUE_DEPTH_HEADER)
+        depth = _header_number(response, codec.QUEUE_DEPTH_HEADER)
         queue_depth = None if depth is None else int(depth)
         self._report(Feedback(started, latency, queue_depth=queue_depth))
         return Reply(_decoded(response, method, path, msgpack), latency, attempt + 1, queue_depth)
@@ -212,7 +212,7 @@ class OpenAIClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 if msgpack:
-                    content = None if body is None else wire.pack(body)
+                    content = None if body is None else codec.pack(body)
                     response = await self._http.request(method, path, content=content, headers=_MSGPACK_HEADERS)
                 else:
                     response = await self._http.request(method, path, json=body)

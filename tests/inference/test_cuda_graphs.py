@@ -7,8 +7,8 @@ import torch
 
 from tandem.inference.cuda_graphs import GraphedDecoder, width_buckets
 from tandem.inference.decode import EagerDecoder
-from tandem.inference.protocol import SamplingParams
 from tandem.models import KVCache, load_model
+from tandem.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

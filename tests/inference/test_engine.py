@@ -15,11 +15,11 @@ from support.polling import wait_until
 from support.tiny_models import INIT_STD
 from tandem.inference.decode import decode_inputs, decode_step
 from tandem.inference.outputs import Collector, RequestUpdate
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.weights import read_weights
 from tandem.models import KVCache, load_model
 from tandem.testing.tiny import TINY_ARCHITECTURES
+from tandem.wire.protocol import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 

@@ -16,9 +16,9 @@ pytest.importorskip("triton", reason="the decode kernels need the triton package
 
 from tandem.inference.decode import decode_inputs, decode_step
 from tandem.inference.fused_decode import fused_decode_step
-from tandem.inference.protocol import SamplingParams
 from tandem.kernels.decode import arrival_counters, decode_attention, paged_decode_attention, qk_norm_rope_store
 from tandem.models import KVCache, load_model
+from tandem.wire.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 4

@@ -13,9 +13,9 @@ import pytest
 from starlette.requests import Request
 
 from tandem.inference.http import encoded_response
-from tandem.inference.kept_ids import encode_kept_ids
-from tandem.inference.protocol import GenerateResponse, PromptOutput, SampleOutput
-from tandem.wire import MEDIA_TYPE, pack, unpack
+from tandem.wire.codec import MEDIA_TYPE, pack, unpack
+from tandem.wire.kept_ids import encode_kept_ids
+from tandem.wire.protocol import GenerateResponse, PromptOutput, SampleOutput
 
 MSGPACK_IN = {"content-type": MEDIA_TYPE}
 MSGPACK_OUT = {"accept": MEDIA_TYPE}

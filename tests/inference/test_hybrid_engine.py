@@ -18,8 +18,8 @@ from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.kv_budget import block_bytes, state_bytes
 from tandem.inference.main import eos_token_ids
-from tandem.inference.protocol import SamplingParams
 from tandem.models import KVCache, StateCache, load_model, model_args
+from tandem.wire.protocol import SamplingParams
 
 PAGED = {"block_size": 4, "kv_cache_blocks": 40, "max_prefill_tokens": 16, "max_running": 4}
 """Blocks of 4 tokens, room for about two of these sequences at once, prompts prefilled 16 tokens a step, at most

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from support.inference import SEQ_LEN
-from tandem.inference.protocol import SamplingParams
+from tandem.wire.protocol import SamplingParams
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness (the dev extra installs lm-eval[api,hf])")
 

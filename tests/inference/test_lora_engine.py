@@ -20,7 +20,6 @@ from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.limits import RequestRefused
 from tandem.inference.main import eos_token_ids, load_served_model, lora_to_serve, served_names
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.weights import weight_targets
 from tandem.models import load_model
 from tandem.models.lora import (
@@ -35,6 +34,7 @@ from tandem.models.lora import (
 from tandem.transport.weights.broadcast import BroadcastSender
 from tandem.transport.weights.control import JoinRequest, Offer, check_offer
 from tandem.transport.weights.shared import SharedSender
+from tandem.wire.protocol import SamplingParams
 
 ARGS = LoraArgs(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
 

@@ -17,9 +17,9 @@ from tandem.inference.cuda_graphs import GraphedDecoder
 from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.main import eos_token_ids
-from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.inference.weights import read_weights
 from tandem.models import load_model
+from tandem.wire.protocol import GenerateResponse, SamplingParams
 
 FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
 PAGED = {"block_size": 4, "kv_cache_blocks": 40, "max_prefill_tokens": 16}

@@ -12,7 +12,7 @@ import torch
 from support.inference import random_prompts
 from tandem.inference.engine import Engine
 from tandem.inference.outputs import Collector
-from tandem.inference.protocol import SamplingParams
+from tandem.wire.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: pinned copies, events, CUDA graphs
 

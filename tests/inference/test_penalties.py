@@ -8,8 +8,8 @@ import openai
 import pytest
 import torch
 
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
+from tandem.wire.protocol import SamplingParams
 
 VOCAB = 64
 

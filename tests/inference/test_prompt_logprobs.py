@@ -14,8 +14,8 @@ import torch
 from support.polling import wait_until
 from tandem.inference.engine import Engine
 from tandem.inference.outputs import Collector, PromptLogprobs
-from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.models.logprobs import reference_token_logprobs, score_tokens, token_logprobs
+from tandem.wire.protocol import GenerateResponse, SamplingParams
 
 ATOL = 1e-5  # fp32 on both sides
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from tandem.inference.protocol import (
+from tandem.wire.protocol import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_SAMPLES,
     ChatCompletionRequest,
@@ -108,7 +108,7 @@ def test_the_smallest_temperatures_either_sample_sensibly_or_are_refused(server)
 
 
 def test_request_models_bound_every_number():
-    """The bounds live once in protocol.py and hold for /generate and both OpenAI bodies alike."""
+    """The bounds live once in tandem.wire.protocol and hold for /generate and both OpenAI bodies alike."""
     for field, value in [("top_k", 2**63), ("temperature", 1e-45), ("frequency_penalty", 2.01), ("n", 10**9)]:
         for model, body in [
             (

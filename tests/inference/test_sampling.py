@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch
+from tandem.wire.protocol import SamplingParams
 
 VOCAB = 64
 

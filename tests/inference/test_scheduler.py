@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.scheduler import SCRATCH_BLOCK, BlockAllocator, Request, Scheduler
+from tandem.wire.protocol import SamplingParams
 
 BLOCK = 4
 

@@ -14,9 +14,9 @@ import pytest
 from support.inference import SEQ_LEN
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
-from tandem.inference.kept_ids import decode_kept_ids
-from tandem.inference.protocol import GenerateResponse, SamplingParams
 from tandem.testing import write_tiny_model
+from tandem.wire.kept_ids import decode_kept_ids
+from tandem.wire.protocol import GenerateResponse, SamplingParams
 
 
 @pytest.fixture

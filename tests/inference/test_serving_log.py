@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 from support.polling import wait_until
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.serving_log import INFERENCE_METRICS_FILE, ServingSummary
 from tandem.jsonl import read_records
+from tandem.wire.protocol import SamplingParams
 
 KEYS = {
     "time", "requests", "tokens_per_s", "running", "waiting", "kv_usage",

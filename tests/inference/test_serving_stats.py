@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.serving_log import INFERENCE_METRICS_FILE, ServingSummary
 from tandem.inference.weights import read_weights
 from tandem.jsonl import read_records
+from tandem.wire.protocol import SamplingParams
 
 
 def test_records_count_the_intervals_swaps_and_busy_share(make_engine, tiny_model_dir, tmp_path):

@@ -13,11 +13,11 @@ import torch
 
 from support.inference import ServerThread
 from support.polling import wait_until
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.weights import read_weights
 from tandem.models import load_model, save_model
 from tandem.transport.weights.control import ControlSender, JoinRequest, WeightTransportError
 from tandem.transport.weights.shared import SharedSender
+from tandem.wire.protocol import SamplingParams
 
 
 def _policy(path, seed: int):

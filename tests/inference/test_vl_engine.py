@@ -17,9 +17,9 @@ from support.vision_models import FAMILIES, image_data_url, png_header, write_se
 from tandem.images import PixelEncoder
 from tandem.inference.engine import Engine
 from tandem.inference.main import eos_token_ids
-from tandem.inference.protocol import SamplingParams
 from tandem.models import load_model
 from tandem.models.decoder import Images
+from tandem.wire.protocol import SamplingParams
 
 pytest.importorskip("PIL", reason="images need Pillow")
 IMAGES = [image_data_url((200, 30, 30), (16, 16)), image_data_url((30, 30, 200), (24, 16), "disc")]

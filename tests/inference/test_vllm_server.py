@@ -15,10 +15,10 @@ import torch
 
 from support.inference import SEQ_LEN, trainer_logprobs
 from support.vllm_server import ADMIN, PROMPTS, TOKEN, VLLM_TINY, VllmServer
-from tandem.inference.protocol import SamplingParams
 from tandem.models import load_model
 from tandem.run import log_tail
 from tandem.testing import write_tiny_model
+from tandem.wire.protocol import SamplingParams
 
 pytestmark = [
     pytest.mark.vllm,

@@ -15,9 +15,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is defined, so before the import
 pytest.importorskip("triton", reason="the Triton sampling kernel needs the triton package")
 
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.sampling import Sampler, SamplingBatch, gumbel_noise, row_keys
 from tandem.kernels.gumbel import BLOCK, gumbel_max
+from tandem.wire.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]

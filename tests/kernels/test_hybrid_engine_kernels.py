@@ -25,10 +25,10 @@ from support.model_parity import hf_greedy, hf_load
 from tandem.config import ConfigError
 from tandem.inference.engine import Engine
 from tandem.inference.main import eos_token_ids, load_served_model
-from tandem.inference.protocol import SamplingParams
 from tandem.models import load_model
 from tandem.models.layers.gated_deltanet import GatedDeltaNet
 from tandem.models.layers.mamba2 import Mamba2
+from tandem.wire.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,11 +13,11 @@ from tandem.client import OpenAIClient
 from tandem.config.inference import InferenceConfig
 from tandem.config.orchestrator import InferencePoolConfig, RolloutSamplingConfig
 from tandem.inference.engine import Engine
-from tandem.inference.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from tandem.inference.server import InferenceServer
 from tandem.models import load_model
 from tandem.orchestrator.pool import InferencePool, _completion
-from tandem.wire import MEDIA_TYPE, unpack
+from tandem.wire.codec import MEDIA_TYPE, unpack
+from tandem.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
 PROMPT = [5, 6, 7, 8]
 

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from support.servers import AppThread
-from tandem.wire import QUEUE_DEPTH_HEADER
+from tandem.wire.codec import QUEUE_DEPTH_HEADER
 
 Messages = list[dict[str, Any]]
 

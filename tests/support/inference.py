@@ -13,9 +13,9 @@ import torch
 from support.servers import AppThread
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
-from tandem.inference.kept_ids import decode_kept_matrix
 from tandem.inference.server import InferenceServer
 from tandem.models import IGNORE_INDEX
+from tandem.wire.kept_ids import decode_kept_matrix
 
 SEQ_LEN = 256
 

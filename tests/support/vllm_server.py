@@ -13,8 +13,8 @@ import pytest
 
 from support.inference import SEQ_LEN
 from support.tiny_models import INIT_STD
-from tandem.inference.protocol import GenerateResponse
 from tandem.run import log_tail
+from tandem.wire.protocol import GenerateResponse
 
 TOKEN = "s3cret"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}

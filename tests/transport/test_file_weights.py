@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem.transport.policies import latest_policy, mark_complete, policy_dir, prune_policies
-from tandem.transport.weights import PolicySource
+from tandem.transport.weights.base import PolicySource
 from tandem.transport.weights.file import FilePublisher
 
 

@@ -84,16 +84,18 @@ def test_top_k_above_the_replay_cap_is_a_config_error_naming_the_field():
 
 
 def test_kept_ids_over_the_cap_are_counted_not_listed_when_a_rollout_arrives():
-    from tandem.inference.kept_ids import count_kept_ids, encode_kept_ids
-    from tandem.inference.protocol import SampleOutput
     from tandem.orchestrator.pool import _completion
+    from tandem.wire.kept_ids import count_kept_ids, encode_kept_ids
+    from tandem.wire.protocol import SampleOutput
 
     flat = range(0, 2 * MAX_REPLAY_KEPT, 2)  # more ids than the cap: a bitmap on the wire
     encoded = [encode_kept_ids([3, 1], VOCAB), None, encode_kept_ids(flat, VOCAB)]
     assert encoded[2].startswith("b") and count_kept_ids(encoded[2]) == MAX_REPLAY_KEPT
     encoded[2] = encode_kept_ids([*flat, 4001], VOCAB)
     assert [count_kept_ids(e) for e in (encoded[0], encoded[2])] == [2, MAX_REPLAY_KEPT + 1]
-    output = SampleOutput(token_ids=[3, 7, 4001], logprobs=[-1.0] * 3, masks=encoded, versions=[0] * 3, finish_reason="stop")
+    output = SampleOutput(
+        token_ids=[3, 7, 4001], logprobs=[-1.0] * 3, masks=encoded, versions=[0] * 3, finish_reason="stop"
+    )
     completion = _completion(output)
     assert completion.kept_ids == [[1, 3], [], None]
     samples = [TrainSample([1], completion.token_ids, completion.logprobs, 1.0, 0.1, 1.0, [0] * 3, completion.kept_ids)]

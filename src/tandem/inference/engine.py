@@ -37,13 +37,13 @@ from tandem.inference.limits import BatchLimits, RequestRefused, ServerLimits, c
 from tandem.inference.outputs import Collector, PromptLogprobs, RequestUpdate, SampleRecord
 from tandem.inference.prompt_images import MAX_IMAGES, PromptImages
 from tandem.inference.prompt_images import expand as expand_prompt
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.requests import Requests, Sampled
 from tandem.inference.runner import Runner
 from tandem.inference.scheduler import BlockAllocator, Request, Scheduler
 from tandem.inference.weights import copy_weights
 from tandem.models import CausalLM
 from tandem.models.lora import lora_args
+from tandem.wire.protocol import SamplingParams
 
 logger = logging.getLogger(__name__)
 

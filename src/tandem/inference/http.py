@@ -10,7 +10,7 @@ a request the same way.
 - **Bodies.** At most `max_body_bytes` (413, before a byte is read when `Content-Length` already says so),
   parsed strictly into a pydantic model; a large body is parsed on a worker thread, so the event loop keeps
   answering `/health` and the other requests meanwhile. A route may also take msgpack (`/generate`, for the
-  rollout path): a body sent as `Content-Type: application/msgpack` is decoded safely (`tandem.wire`) and
+  rollout path): a body sent as `Content-Type: application/msgpack` is decoded safely (`tandem.wire.codec`) and
   validated by the same model, and `encoded_response` answers in msgpack to a request whose `Accept` names
   it. Errors are always JSON. A streamed answer is server-sent events (`sse_response`) ending in `[DONE]`, or
   in an error event when the work fails part-way.
@@ -39,10 +39,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem import wire
 from tandem.config.inference import InferenceConfig
 from tandem.inference.limits import RequestRefused
 from tandem.net import is_loopback
+from tandem.wire import codec
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +161,11 @@ def _media_types(header: str) -> list[str]:
 
 
 def sends_msgpack(request: Request) -> bool:
-    return _media_types(request.headers.get("content-type", ""))[0] == wire.MEDIA_TYPE
+    return _media_types(request.headers.get("content-type", ""))[0] == codec.MEDIA_TYPE
 
 
 def accepts_msgpack(request: Request) -> bool:
-    return wire.MEDIA_TYPE in _media_types(request.headers.get("accept", ""))
+    return codec.MEDIA_TYPE in _media_types(request.headers.get("accept", ""))
 
 
 async def parse(request: Request, model: type[M], max_bytes: int, *, msgpack: bool = False) -> M:
@@ -179,12 +179,12 @@ async def parse(request: Request, model: type[M], max_bytes: int, *, msgpack: bo
         return validate(body)
     except ValidationError as error:
         raise HTTPError(400, validation_message(error)) from None
-    except wire.MsgpackError as error:
+    except codec.MsgpackError as error:
         raise HTTPError(400, str(error), param="body") from None
 
 
 def _validate_msgpack(model: type[M], body: bytes) -> M:
-    return model.model_validate(wire.unpack(body))
+    return model.model_validate(codec.unpack(body))
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
@@ -194,8 +194,8 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
 def encoded_response(request: Request, model: BaseModel, status: int = 200) -> Response:
     """`model` in msgpack when the request's `Accept` names it, else JSON."""
     if accepts_msgpack(request):
-        body = wire.pack(model.model_dump())
-        return Response(body, status_code=status, media_type=wire.MEDIA_TYPE)
+        body = codec.pack(model.model_dump())
+        return Response(body, status_code=status, media_type=codec.MEDIA_TYPE)
     return json_response(model, status)
 
 
@@ -316,7 +316,7 @@ def with_queue_depth(send: Send, depth: Callable[[], int | None]) -> Send:
 
     async def with_header(message: Message) -> None:
         if message["type"] == "http.response.start" and (value := depth()) is not None:
-            message["headers"] = [*message.get("headers", []), (wire.QUEUE_DEPTH_HEADER.encode(), str(value).encode())]
+            message["headers"] = [*message.get("headers", []), (codec.QUEUE_DEPTH_HEADER.encode(), str(value).encode())]
         await send(message)
 
     return with_header

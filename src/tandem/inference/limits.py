@@ -1,6 +1,6 @@
 """What a server refuses to serve, checked for each prompt of a request before anything is made or queued for it.
 
-The request models (`protocol.py`) check what a body alone can tell; `check_prompt` checks what only the server
+The request models (`tandem.wire.protocol`) check what a body alone can tell; `check_prompt` checks what only the server
 knows: its vocabulary, context, logprob cap, what its engine can return and, for the built-in engine, its batch
 and KV cache. Both engines fill a `ServerLimits` and call this one function, so a request refused by one is
 refused by the other with the same words. Standard library and `protocol` only: no torch, no HTTP.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.inference.protocol import SamplingParams, context_room
+from tandem.wire.protocol import SamplingParams, context_room
 
 
 class RequestRefused(ValueError):

@@ -18,7 +18,7 @@ from tandem.envs.tool_parsers import ToolParser
 from tandem.inference import tool_calls
 from tandem.inference.limits import RequestRefused
 from tandem.inference.outputs import Collector, PromptLogprobs, SampleRecord, SampleUpdate, TopLogprobs
-from tandem.inference.protocol import (
+from tandem.wire.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.inference.protocol import FinishReason, PromptOutput, SampleOutput, SamplingParams
+from tandem.wire.protocol import FinishReason, PromptOutput, SampleOutput, SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -17,7 +17,7 @@ class SampleRecord:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     encoded_kept_ids: list[str | None] = field(default_factory=list)
-    """Per token, when the request truncates: its kept ids, encoded (`tandem.inference.kept_ids`)."""
+    """Per token, when the request truncates: its kept ids, encoded (`tandem.wire.kept_ids`)."""
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     text: str = ""

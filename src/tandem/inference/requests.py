@@ -17,10 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.inference.kept_ids import encode_kept_ids
 from tandem.inference.outputs import RequestUpdate, TopLogprobs
-from tandem.inference.protocol import FinishReason
 from tandem.inference.scheduler import Request, Scheduler, Sequence
+from tandem.wire.kept_ids import encode_kept_ids
+from tandem.wire.protocol import FinishReason
 
 logger = logging.getLogger(__name__)
 

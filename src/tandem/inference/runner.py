@@ -39,7 +39,6 @@ from tandem.inference.kv_budget import block_bytes, state_bytes
 from tandem.inference.outputs import PromptLogprobs
 from tandem.inference.prompt_images import chunk_features, chunk_positions, step_features
 from tandem.inference.prompt_images import encode as encode_images
-from tandem.inference.protocol import SamplingParams
 from tandem.inference.requests import Sampled
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.scheduler import SCRATCH_BLOCK, SCRATCH_SLOT, Request, Scheduler, Sequence, StepPlan
@@ -47,6 +46,7 @@ from tandem.kernels import triton_available, triton_unavailable_reason
 from tandem.models import CausalLM, KVCache, StateCache
 from tandem.models.logprobs import score_tokens
 from tandem.models.lora import lora_args, lora_folded, route_adapters
+from tandem.wire.protocol import SamplingParams
 
 logger = logging.getLogger(__name__)
 

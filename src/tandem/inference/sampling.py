@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tandem.inference.decode import copy_to_device
-from tandem.inference.protocol import SamplingParams
+from tandem.wire.protocol import SamplingParams
 
 _MIX = (0x21F0AAAD, 0x735A2D97)  # below 2**31, so products with 32-bit values never overflow int64
 _MASK32 = 0xFFFFFFFF

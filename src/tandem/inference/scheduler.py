@@ -32,7 +32,7 @@ from typing import Any
 from tandem.inference.detokenize import IncrementalDetokenizer
 from tandem.inference.outputs import PromptLogprobs, RequestUpdate, SampleRecord
 from tandem.inference.prompt_images import PromptImages
-from tandem.inference.protocol import SamplingParams
+from tandem.wire.protocol import SamplingParams
 
 SCRATCH_BLOCK = 0
 """Never allocated: padded rows of a fixed-shape decode step read and write here."""

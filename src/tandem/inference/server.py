@@ -6,7 +6,7 @@ the event loop. The routes only drive the engine and choose what runs on a worke
 templating and rendering a whole response's logprobs (a decode per token), so a huge prompt never holds up
 `/health` or other requests. Reading, parsing and refusing requests, streaming, disconnects, the admin guard and
 the `x-queue-depth` header are `http.py`'s and the OpenAI response objects `openai_api.py`'s, both shared with
-the vLLM routes where they apply: a request's body is size-limited and validated strictly (`protocol.py`), and
+the vLLM routes where they apply: a request's body is size-limited and validated strictly (`tandem.wire.protocol`), and
 every mistake is a 4xx JSON error after which the server carries on.
 """
 
@@ -50,7 +50,9 @@ from tandem.inference.image_work import ImageWork
 from tandem.inference.outputs import Collector, RequestUpdate, SampleUpdate
 from tandem.inference.prompt_images import PromptImages
 from tandem.inference.prompt_tokens import ContextTokenizer
-from tandem.inference.protocol import (
+from tandem.inference.weights import read_weights, resolve_weights_path
+from tandem.inference.weights_receiver import ReceiverEndpoint
+from tandem.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EngineStatus,
@@ -62,8 +64,6 @@ from tandem.inference.protocol import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from tandem.inference.weights import read_weights, resolve_weights_path
-from tandem.inference.weights_receiver import ReceiverEndpoint
 
 logger = logging.getLogger(__name__)
 

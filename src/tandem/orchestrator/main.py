@@ -42,7 +42,8 @@ from tandem.orchestrator.tasks import Draw, DrawLedger, TaskSampler, TrainSource
 from tandem.run import RunError, prepare_run_dir
 from tandem.transport.batches import batch_path, write_batch
 from tandem.transport.policies import prune_policies
-from tandem.transport.weights import PolicyFollower, make_follower
+from tandem.transport.weights.base import PolicyFollower
+from tandem.transport.weights.follower import make_follower
 
 logger = logging.getLogger(__name__)
 

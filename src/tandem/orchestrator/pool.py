@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from tandem.client import OpenAIClient, RequestError
 from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig, RolloutSamplingConfig
-from tandem.inference.kept_ids import count_kept_ids, decode_kept_ids
-from tandem.inference.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
+from tandem.wire.kept_ids import count_kept_ids, decode_kept_ids
+from tandem.wire.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from tandem.models.lora import is_adapter_name, lora_args
 from tandem.trainer.model import ModelInfo, export_hf
 from tandem.trainer.parallel import DTYPES, World, full_shapes, full_tensors
 from tandem.transport.policies import mark_complete, policy_dir
-from tandem.transport.weights import PolicySource, WeightPublisher
+from tandem.transport.weights.base import PolicySource, WeightPublisher
 from tandem.transport.weights.broadcast import BroadcastPublisher
 from tandem.transport.weights.file import FilePublisher
 from tandem.transport.weights.shared import SharedPublisher

@@ -1,4 +1,4 @@
-"""Training batches from the orchestrator to the trainer, as files (a zmq transport can sit behind the same calls).
+"""Training batches from the orchestrator to the trainer, as files.
 
 `<run>/batches/step-<N>.safetensors` holds every micro-batch of every trainer rank for step N,
 keyed `rank<r>.micro<m>.<field>`, plus JSON metadata (step, world size, micro-batches per rank,

@@ -1,7 +1,7 @@
 """tandem's routes on a vLLM server: an ASGI middleware in front of vLLM's FastAPI app (vLLM's `--middleware`).
 
 It answers `POST /generate` (JSON or msgpack), `/update_weights`, `/pause`, `/resume` and `GET /health` with the
-request and response bodies of the built-in server (`tandem.inference.protocol`) and, through the same plumbing
+request and response bodies of the built-in server (`tandem.wire.protocol`) and, through the same plumbing
 (`tandem.inference.http`), its errors, body-size limit, admin guard, model check and disconnect handling, plus its
 request checks (`limits.check_prompt`) and weights-directory restriction, so the orchestrator cannot tell the
 engines apart; every other request goes on to vLLM. Every response, vLLM's own included, carries `x-queue-depth`.
@@ -59,16 +59,6 @@ from tandem.inference.http import (
     with_queue_depth,
 )
 from tandem.inference.limits import ServerLimits, check_prompt
-from tandem.inference.protocol import (
-    EngineStatus,
-    GenerateRequest,
-    GenerateResponse,
-    PromptOutput,
-    SampleOutput,
-    SamplingParams,
-    UpdateWeightsRequest,
-    UpdateWeightsResponse,
-)
 from tandem.inference.startup import announce
 from tandem.inference.weights import (
     Shapes,
@@ -81,6 +71,16 @@ from tandem.inference.weights import (
 from tandem.models import ModelArgs, model_args
 from tandem.models.lora import LoraArgs, read_adapter
 from tandem.transport.weights.control import check_same_model
+from tandem.wire.protocol import (
+    EngineStatus,
+    GenerateRequest,
+    GenerateResponse,
+    PromptOutput,
+    SampleOutput,
+    SamplingParams,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from tandem.transport.weights import PolicySource
+from tandem.transport.weights.base import PolicySource
 from tandem.transport.weights.control import (
     Backend,
     ControlReceiver,

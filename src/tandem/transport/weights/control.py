@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.files import atomic_write_text
 from tandem.transport.shared_buffer import DTYPES
-from tandem.transport.weights import PolicySource, publish_final
+from tandem.transport.weights.base import PolicySource, publish_final
 
 logger = logging.getLogger(__name__)
 

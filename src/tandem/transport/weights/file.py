@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.transport.policies import is_complete, latest_policy, policy_dir
-from tandem.transport.weights import PolicySource, publish_final
+from tandem.transport.weights.base import PolicySource, publish_final
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The orchestrator's end of the in-memory weight transports (`broadcast`, `shared`): it has every server join
-the trainer's hand-off, then follows the version they serve.
+"""The orchestrator's end of the weight transports: `make_follower` builds the kind's `PolicyFollower`
+(`file.FileFollower`, or `JoinedFollower` here for the in-memory `broadcast` and `shared`, which has every server
+join the trainer's hand-off, then follows the version they serve).
 
 The trainer pushes policies to the servers itself; the orchestrator only reads the rendezvous trainer rank 0
 announces (`<run>/weights_rendezvous.json`), asks server i to join as rank i + 1 (`POST /weights/join`), and
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.transport.weights.base import PolicyFollower, Transport
 from tandem.transport.weights.control import (
     JoinRequest,
     Kind,
@@ -23,8 +25,17 @@ from tandem.transport.weights.control import (
     WeightTransportError,
     announce_path,
 )
+from tandem.transport.weights.file import FileFollower
 
 logger = logging.getLogger(__name__)
+
+
+def make_follower(transport: Transport, pool: Any, run_dir: Path, startup_timeout_s: float) -> PolicyFollower:
+    """The orchestrator's follower of `transport` over `pool` (an `InferencePool`: its `clients`,
+    `config.base_urls`, `version` and `loaded`)."""
+    if transport == "file":
+        return FileFollower(pool, run_dir)
+    return JoinedFollower(transport, pool, run_dir, startup_timeout_s)
 
 
 class JoinedFollower:

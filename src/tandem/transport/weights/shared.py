@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 
 from tandem.transport.shared_buffer import Layout, SharedBuffer, SharedBufferError
-from tandem.transport.weights import PolicySource
+from tandem.transport.weights.base import PolicySource
 from tandem.transport.weights.control import (
     ControlReceiver,
     ControlSender,

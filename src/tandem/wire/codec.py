@@ -1,6 +1,6 @@
 """What a tandem client and server agree on below HTTP: msgpack bodies for `/generate` (the one encoder and the
 one safe decoder, shared by both servers through `tandem.inference.http` and by `tandem.client`) and the
-queue-depth header. A root module so the client needs nothing of the inference package.
+queue-depth header.
 
 A rollout response is 16 samples x 256 token ids, logprobs and versions; as JSON most of its cost is printing
 and parsing floats, which msgpack stores as 8 raw bytes (float64, so every fp32 logprob comes back exactly).

@@ -2,7 +2,7 @@
 
 A `/generate` sample carries one encoded string per token in its `masks` field (the wire name, kept for the
 clients and the vLLM routes that speak it); everywhere else the concept is "kept ids". Standard library only,
-so the trainer (or any client) decodes them without the engine. Two encodings; the encoder picks the shorter
+so the orchestrator (or any client) decodes them without the engine. Two encodings; the encoder picks the shorter
 for each step:
 
 - `"i" + base64(sorted ids as int32 little-endian)`: 4 bytes per kept id (few ids: top-k, peaked top-p);

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from tandem.inference.kept_ids import decode_kept_ids, decode_kept_matrix, encode_kept_ids
 from tandem.models import reference_token_logprobs
+from tandem.wire.kept_ids import decode_kept_ids, decode_kept_matrix, encode_kept_ids
 
 
 @pytest.mark.parametrize("size", [0, 1, 20, 500, 5_000, 151_935])
@@ -54,6 +54,11 @@ def test_the_kept_matrix_feeds_token_logprobs():
         torch.testing.assert_close(got[i], expected)
 
 
-def test_kept_ids_module_needs_only_the_standard_library():
-    code = "import sys; import tandem.inference.kept_ids; assert 'torch' not in sys.modules, 'torch was imported'"
+def test_the_wire_package_loads_without_torch_or_another_tandem_package():
+    """Both ends of a hop import the contract: a client must not pull in the engine (or torch) to speak it."""
+    code = (
+        "import sys; import tandem.wire.protocol, tandem.wire.kept_ids, tandem.wire.codec; "
+        "others = sorted(m for m in sys.modules if m.startswith('tandem.') and not m.startswith('tandem.wire')); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; assert not others, others"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -191,7 +191,7 @@ class SampleOutput(WireModel):
     logprobs: list[float]
     """Per token: log-probability under the distribution it was sampled from (docs/inference.md#sampling)."""
     masks: list[str | None] | None
-    """Per token: its encoded kept ids (`tandem.inference.kept_ids`; the wire keeps the name `masks`), None where
+    """Per token: its encoded kept ids (`tandem.wire.kept_ids`; the wire keeps the name `masks`), None where
     nothing was cut; None if never truncating."""
     versions: list[int]
     """Per token: the policy version of the weights that produced it."""
