@@ -90,3 +90,61 @@ def test_close_stops_the_jobs_in_flight():
 
     asyncio.run(main())
     assert results == [1, 1] and images.done == 2
+
+
+def test_the_pixel_budget_holds_a_request_until_the_pixels_before_it_are_freed():
+    """A request's pixels stay reserved until the engine frees its pixel tensors (here, on another thread, as the
+    engine thread does once the vision tower ran); a request that would overrun the budget waits for that, one
+    that could never fit is refused, and a cancelled wait holds nothing."""
+    import gc
+
+    import pytest
+    import torch
+
+    from tandem.inference.image_work import PixelBudget
+
+    async def main() -> None:
+        budget = PixelBudget(100)
+        with pytest.raises(ValueError, match=r"101 pixels together, over the server's 100 \(max_server_image_pixels\)"):
+            await budget.reserve(101)
+        first = await budget.reserve(60)
+        pixels = [torch.zeros(4), torch.zeros(4)]
+        first.release_when_freed(pixels)
+        second = asyncio.ensure_future(budget.reserve(50))
+        cancelled = asyncio.ensure_future(budget.reserve(90))
+        await asyncio.sleep(0.05)
+        assert not second.done() and budget.held == 60
+        cancelled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        del pixels[0]
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert not second.done()  # one of the request's two tensors is still held
+
+        def engine_frees() -> None:
+            pixels.clear()
+            gc.collect()
+
+        thread = threading.Thread(target=engine_frees)
+        thread.start()
+        thread.join()
+        reservation = await asyncio.wait_for(second, timeout=30)
+        assert budget.held == 50
+        reservation.release()
+        reservation.release()  # once only
+        assert budget.held == 0
+
+    asyncio.run(main())
+
+
+def test_a_server_image_budget_below_a_requests_limit_is_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    from tandem.config.inference import InferenceConfig
+
+    with pytest.raises(
+        ValidationError, match=r"max_server_image_pixels \(999\) must be at least max_request_image_pixels"
+    ):
+        InferenceConfig(max_request_image_pixels=1_000, max_server_image_pixels=999)

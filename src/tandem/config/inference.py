@@ -75,6 +75,8 @@ class InferenceConfig(RunConfig):
     """Largest image (width x height, read from its header before anything is decoded) a request may carry; at most 40,000,000, the trainers' limit (tandem.images.MAX_IMAGE_PIXELS), so every image served can be trained on."""
     max_request_image_pixels: int = Field(100_000_000, ge=1)
     """Pixels of all the images of one request together (from their headers, before any is decoded); a request over it gets a 400."""
+    max_server_image_pixels: int = Field(200_000_000, ge=1)
+    """Pixels (from the headers) that requests' decoded images may hold at once across the server, from decoding until the vision tower has run; a request waits for room. At least max_request_image_pixels."""
     image_workers: int = Field(2, ge=1)
     """Images decoded at once across the server (each in full before it is scaled to what the model uses), on threads of their own."""
 
@@ -84,6 +86,16 @@ class InferenceConfig(RunConfig):
         of `tandem rl` (`model.lora` alone) are, and an adapter directory (`lora_adapter`) is served unfolded,
         beside the base model."""
         return self.lora_fold if self.lora_fold is not None else self.lora_adapter is None
+
+    @model_validator(mode="after")
+    def _a_request_fits_the_server_image_budget(self) -> InferenceConfig:
+        if self.max_server_image_pixels < self.max_request_image_pixels:
+            raise ValueError(
+                f"max_server_image_pixels ({self.max_server_image_pixels:,}) must be at least "
+                f"max_request_image_pixels ({self.max_request_image_pixels:,}): a request at the limit would wait "
+                "forever"
+            )
+        return self
 
     @model_validator(mode="after")
     def _vllm_serves_adapters_unfolded(self) -> InferenceConfig:

@@ -205,17 +205,17 @@ class Engine:
         self._send(lambda: self.requests.add(request))
         return request.id
 
-    def check_images(self, refs: list[list[str]], stop: Callable[[], bool] | None = None) -> None:
-        """Check a request's images (one list of references per prompt) before any is decoded: RequestRefused for a
-        model without images, more than `MAX_IMAGES` for a prompt, a reference other than a data URL, or an image
-        that is unreadable or over the pixel limits, each image's and the request's together (from the headers,
-        asking `stop` before each)."""
+    def check_images(self, refs: list[list[str]], stop: Callable[[], bool] | None = None) -> int:
+        """Check a request's images (one list of references per prompt) before any is decoded and return their
+        pixels together: RequestRefused for a model without images, more than `MAX_IMAGES` for a prompt, a
+        reference other than a data URL, or an image that is unreadable or over the pixel limits, each image's and
+        the request's together (from the headers, asking `stop` before each)."""
         every = [ref for urls in refs for ref in urls]
         pixels = self._pixels(every)
         if any(len(urls) > MAX_IMAGES for urls in refs):
             raise RequestRefused(f"{max(map(len, refs))} images for one prompt; at most {MAX_IMAGES}")
         try:
-            pixels.check(every, self.max_request_image_pixels, stop)
+            return pixels.check(every, self.max_request_image_pixels, stop)
         except ImageError as error:
             raise RequestRefused(f"bad image: {error}") from None
 

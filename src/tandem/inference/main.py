@@ -259,6 +259,7 @@ def _run_engine(
             trust_request_chat_template=config.trust_request_chat_template,
             broadcast_hosts=config.broadcast_hosts,
             image_workers=config.image_workers,
+            max_server_image_pixels=config.max_server_image_pixels,
         )
         summary = ServingSummary(engine.stats, run_dir) if config.log_interval_s > 0 else None
         asyncio.run(_serve(server.app(), config, sock, run_dir, name, summary))

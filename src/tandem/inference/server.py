@@ -46,7 +46,7 @@ from tandem.inference.http import (
     sse_response,
     unless_client_gone,
 )
-from tandem.inference.image_work import ImageWork
+from tandem.inference.image_work import ImageWork, PixelBudget
 from tandem.inference.outputs import Collector, RequestUpdate, SampleUpdate
 from tandem.inference.prompt_images import PromptImages
 from tandem.inference.prompt_tokens import ContextTokenizer
@@ -176,6 +176,7 @@ class InferenceServer:
         trust_request_chat_template: bool = False,
         broadcast_hosts: Sequence[str] = (),
         image_workers: int = 2,
+        max_server_image_pixels: int = 200_000_000,
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.base_name = base_name
@@ -191,6 +192,8 @@ class InferenceServer:
         self.receiver = ReceiverEndpoint(engine, broadcast_hosts)
         self.image_work = ImageWork(image_workers)
         """Requests' images are decoded here: `image_workers` at a time, stopped on `close`."""
+        self.pixel_budget = PixelBudget(max_server_image_pixels)
+        """Pixels requests' decoded images hold at once, until the engine lets go of them."""
 
     def close(self) -> None:
         """Stop the image work in flight (each job after the image in hand) and drop what is queued."""
@@ -226,22 +229,30 @@ class InferenceServer:
         self, prompts: list[list[int]], refs: list[list[str]] | None
     ) -> tuple[list[list[int]], list[PromptImages | None]]:
         """The prompts with their images' placeholders expanded and the images read, on the image threads
-        (`ImageWork`): every image's header and the request's pixels together checked before any is decoded, then
-        one image at a time (400 for a bad image or one over a limit, before any prompt is queued)."""
+        (`ImageWork`): every image's header and the request's pixels together checked before any is decoded, then,
+        once the server's `PixelBudget` has room for them, one image at a time (400 for a bad image or one over a
+        limit, before any prompt is queued). The pixels stay reserved until the engine frees them."""
         if not refs or not any(refs):
             return prompts, [None] * len(prompts)
         expanded: list[list[int]] = []
         images: list[PromptImages | None] = []
         with refusals():
-            await self.image_work.run(self.engine.check_images, refs)
-            for prompt, urls in zip(prompts, refs, strict=True):
-                if not urls:
-                    expanded.append(prompt)
-                    images.append(None)
-                    continue
-                ids, prompt_images = await self.image_work.run(self.engine.expand_images, prompt, urls)
-                expanded.append(ids)
-                images.append(prompt_images)
+            pixels = await self.image_work.run(self.engine.check_images, refs)
+            reservation = await self.pixel_budget.reserve(pixels)
+        try:
+            with refusals():
+                for prompt, urls in zip(prompts, refs, strict=True):
+                    if not urls:
+                        expanded.append(prompt)
+                        images.append(None)
+                        continue
+                    ids, prompt_images = await self.image_work.run(self.engine.expand_images, prompt, urls)
+                    expanded.append(ids)
+                    images.append(prompt_images)
+        except BaseException:
+            reservation.release()
+            raise
+        reservation.release_when_freed([i.pixel_values for i in images if i is not None and i.pixel_values is not None])
         return expanded, images
 
     async def _chat_prompt(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
