@@ -30,7 +30,7 @@ from tandem.files import atomic_write_text
 from tandem.jsonl import keep_steps_up_to
 from tandem.net import is_loopback
 from tandem.orchestrator.main import PER_STEP_FILES
-from tandem.orchestrator.tasks import require_sources
+from tandem.orchestrator.tasks import check_sources
 from tandem.run import claim_run_dir, log_tail, prepare_run_dir
 from tandem.shared_gpu import split_shared_gpu
 from tandem.trainer.ckpt import resolve_resume
@@ -231,10 +231,15 @@ class ChildFailed(RuntimeError):
         super().__init__(child.name)
 
 
+def check_rl(config: RlConfig) -> None:
+    """What `tandem rl` checks before it starts anything, `--dry-run` included: every source resolves."""
+    check_sources(config.orchestrator)
+
+
 def run_rl(config: RlConfig) -> int:
     """The `tandem rl` runner."""
+    check_rl(config)
     read_model_args(config.trainer)  # a bad model path is one line here, not a child's failure after start-up
-    require_sources(config.orchestrator.source)
     config, memory_plan = split_shared_gpu(config)  # one GPU for both: a split that cannot fit fails here
     claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
     prepare_run_dir(config, "rl")

@@ -9,8 +9,11 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from tandem.config import ConfigError
 from tandem.config.env import EnvConfig
 from tandem.envs.base import Taskset, require_rewards
 from tandem.envs.multiturn import MultiTurnTaskset
@@ -68,24 +71,51 @@ def resolve_taskset(id_or_path: str) -> type[Taskset]:
     return cls
 
 
-def load_taskset(id_or_path: str, **args: Any) -> Taskset:
-    """Build the taskset named by id or import path with constructor `args` (checked before the call)."""
+def _checked_class(id_or_path: str, args: dict[str, Any]) -> type[Taskset]:
+    """The taskset class, its constructor shown to accept `args`."""
     cls = resolve_taskset(id_or_path)
     try:
         inspect.signature(cls).bind(**args)
     except TypeError as e:
         accepted = ", ".join(inspect.signature(cls).parameters) or "no arguments"
         raise TypeError(f"taskset {id_or_path!r}: bad args {sorted(args)}: {e}; it takes: {accepted}") from None
-    return cls(**args)
+    return cls
+
+
+def load_taskset(id_or_path: str, **args: Any) -> Taskset:
+    """Build the taskset named by id or import path with constructor `args` (checked before the call)."""
+    return _checked_class(id_or_path, args)(**args)
+
+
+def check_env(config: EnvConfig) -> None:
+    """What `load_env` needs, checked without building the taskset (no data is read, nothing is generated): the
+    id or import path resolves, the args fit the constructor, max_turns goes to a multi-turn taskset. A command
+    calls it for every source before it starts anything; `load_env` raises the same errors."""
+    _check_turns(_checked_class(config.id, config.args), config)
+
+
+def _check_turns(cls: type[Taskset], config: EnvConfig) -> None:
+    if config.max_turns is not None and not issubclass(cls, MultiTurnTaskset):
+        raise ValueError(f"env {config.id!r}: max_turns is set but the taskset is single-turn")
 
 
 def load_env(config: EnvConfig) -> Taskset:
     """Build the configured taskset with the config's rollout limits; select its tasks with `apply_select`."""
-    taskset = load_taskset(config.id, **config.args)
+    cls = _checked_class(config.id, config.args)
+    _check_turns(cls, config)
+    taskset = cls(**config.args)
     if config.timeout_s is not None:
         taskset.timeout_s = config.timeout_s
     if config.max_turns is not None:
-        if not isinstance(taskset, MultiTurnTaskset):
-            raise ValueError(f"env {config.id!r}: max_turns is set but the taskset is single-turn")
         taskset.max_turns = config.max_turns
     return taskset
+
+
+@contextmanager
+def source_errors(name: str) -> Iterator[None]:
+    """What resolving, building or selecting source `name` raises (an unknown id, bad args, missing data) as a
+    one-line ConfigError naming the source: every command reports a bad source the same way."""
+    try:
+        yield
+    except (ValueError, TypeError, ImportError, OSError) as error:
+        raise ConfigError(f"source {name!r}: {error}") from None

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config import ConfigError
-from tandem.config.orchestrator import TrainSourceConfig
-from tandem.envs import Task, Taskset, apply_select, load_env
+from tandem.config.orchestrator import OrchestratorConfig, TrainSourceConfig
+from tandem.envs import Task, Taskset, apply_select, check_env, load_env, source_errors
 
 
 @dataclass
@@ -43,22 +43,38 @@ class TrainSource:
         return task
 
 
-def require_sources(configs: list[TrainSourceConfig]) -> None:
-    """ConfigError for a run with nothing to train on; `tandem rl` checks it before it starts any process."""
+def _require_sources(configs: list[TrainSourceConfig]) -> None:
     if not configs:
         raise ConfigError("no training sources: add an [[orchestrator.source]] block with the env id")
 
 
+def _name(configs: list[TrainSourceConfig], index: int) -> str:
+    return f"{configs[index].id}#{index}" if len(configs) > 1 else configs[index].id
+
+
+def check_sources(config: OrchestratorConfig) -> None:
+    """ConfigError, one line naming the source (with a did-you-mean for a mistyped id), unless there is something
+    to train on and every training and online eval source resolves (`check_env`): `tandem rl` and `tandem
+    orchestrator` check it before they start anything, `--dry-run` included."""
+    _require_sources(config.source)
+    named = [(_name(config.source, index), source) for index, source in enumerate(config.source)]
+    for name, source in [*named, *((source.name, source) for source in config.eval.source)]:
+        with source_errors(name):
+            check_env(source)
+
+
 def load_sources(configs: list[TrainSourceConfig]) -> list[TrainSource]:
-    require_sources(configs)
+    _require_sources(configs)
     sources = []
     for index, config in enumerate(configs):
-        taskset = load_env(config)
-        selected = apply_select(taskset, config.select)
-        tasks = selected if isinstance(selected, list) else None
-        if tasks is not None and not tasks:
-            raise ValueError(f"source {index} ({config.id}) selects no tasks")
-        sources.append(TrainSource(f"{config.id}#{index}" if len(configs) > 1 else config.id, config, taskset, tasks))
+        name = _name(configs, index)
+        with source_errors(name):
+            taskset = load_env(config)
+            selected = apply_select(taskset, config.select)
+            tasks = selected if isinstance(selected, list) else None
+            if tasks is not None and not tasks:
+                raise ValueError("its select picks no tasks")
+        sources.append(TrainSource(name, config, taskset, tasks))
     return sources
 
 
