@@ -48,10 +48,15 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
 
 
 def test_a_failing_child_stops_the_run_with_its_error(tiny_model_dir, tmp_path):
-    sources = write_rl_sources(tmp_path, "no_such_env")
-    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", sources, "--max-steps", "2", check=False)
+    """Arguments the env's constructor refuses pass the launcher's check (which builds nothing) and fail the
+    orchestrator: the run stops, and the launcher's tail of its log ends at the error it died of."""
+    sources = tmp_path / "bad.toml"
+    sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\nargs = { min_words = 0 }\n')
+    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", str(sources), "--max-steps", "2", check=False)
     assert result.returncode == 1
-    assert "orchestrator exited" in result.stderr and "no_such_env" in result.stderr
+    stderr = " ".join(result.stderr.split())  # the console wraps long log lines
+    assert "orchestrator exited with code 2" in stderr
+    assert "tandem orchestrator: error: source 'reverse_text': need 1 <= min_words <= max_words, got 0" in stderr
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -71,7 +76,9 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     with batches sampled past the checkpoint, resumes with every step exactly once and keeps learning; single-turn,
     and multi-turn (two replies an episode, both trained)."""
     sources = tmp_path / "letter_e.toml"
-    sources.write_text(f'[[orchestrator.source]]\nid = "tandem.testing.toy_envs:{env_id}"\nsampling = {{ max_tokens = 16 }}\n')
+    sources.write_text(
+        f'[[orchestrator.source]]\nid = "tandem.testing.toy_envs:{env_id}"\nsampling = {{ max_tokens = 16 }}\n'
+    )
     command = rl_command(
         tiny_model_dir("qwen3"), tmp_path, "@", str(sources), "--max-steps", "12", "--trainer.ckpt.interval", "3",
         "--trainer.optim.lr", "3e-2", "--orchestrator.log-samples", "2",
