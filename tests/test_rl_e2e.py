@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from support.jsonl import read_jsonl, read_metrics
@@ -134,11 +136,16 @@ def test_top_k_top_p_rollouts_replay_the_same_distribution_in_the_trainer(tiny_m
 
 
 def test_ctrl_c_stops_every_process(tiny_model_dir, tmp_path):
+    """Also: the run's server refuses an admin call without the run's token, while the orchestrator's own (it has
+    joined the trainer's weight hand-off, an admin route, before the first rollout) went through."""
     command = rl_command(tiny_model_dir("qwen3"), tmp_path, "@", write_rl_sources(tmp_path), "--max-steps", "1000")
     run_dir = tmp_path / "rl"
     metrics = run_dir / "metrics.jsonl"
     with spawn(command, watch=[run_dir]) as launcher:
         launcher.wait_until(lambda: metrics.exists() and metrics.stat().st_size > 0, "the first trainer step")
+        url = json.loads((run_dir / "server.json").read_text())["url"]
+        assert httpx.post(f"{url}/pause").status_code == 401
+        assert httpx.post(f"{url}/update_weights", json={"path": "x", "version": 666}).status_code == 401
         os.kill(launcher.pid, signal.SIGINT)  # the launcher alone: it stops its children itself
         result = launcher.wait()
     assert result.returncode == 130, result.stderr[-2000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tandem.cli import main
@@ -54,3 +56,71 @@ def test_bad_source_args_are_refused_by_the_dry_run(tmp_path, capsys):
 def test_the_dry_run_of_good_sources_prints_the_config(tmp_path, capsys):
     assert main(["rl", "@", _sources(tmp_path), "--dry-run"]) == 0
     assert 'id = "reverse_text"' in capsys.readouterr().out
+
+
+class FakeChild:
+    """What `subprocess.Popen` gives the launcher, with nothing run: the command and environment each child got.
+    A server announces its address at once, and every child has exited 0 by the launcher's first look."""
+
+    def __init__(self, started: list[FakeChild], command, *, env, **_):
+        self.command, self.env, self.pid, self.returncode = command, env, 0, 0
+        if command[-3:-1] == ["inference", "@"]:
+            (Path(command[-1]).parent / "server.json").write_text('{"url": "http://127.0.0.1:1"}')
+        started.append(self)
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout=None) -> int:
+        return 0
+
+
+def _launch(monkeypatch, tmp_path, model, *flags: str) -> dict[str, FakeChild]:
+    """`tandem rl` run with FakeChild processes; each child by its name (the subcommand it runs)."""
+    import functools
+    import subprocess
+
+    started: list[FakeChild] = []
+    monkeypatch.setattr(subprocess, "Popen", functools.partial(FakeChild, started))
+    args = ["rl", "--model", str(model), "@", _sources(tmp_path), "--output-dir", str(tmp_path / "out"), *flags]
+    assert main([*args, "--max-steps", "1"]) == 0
+    return {child.command[child.command.index("@") - 1]: child for child in started}
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "given"),
+    [
+        ([], {}, None),
+        (["--inference.admin-token", "mine"], {}, "mine"),
+        (["--orchestrator.inference.admin-token", "mine"], {}, "mine"),
+        ([], {"TANDEM_ADMIN_TOKEN": "mine"}, "mine"),
+    ],
+)
+def test_the_run_token_reaches_the_servers_and_orchestrator_by_their_environment_alone(
+    monkeypatch, tmp_path, tiny_model_dir, flags, environ, given
+):
+    """The run's servers always require a token (a random one per run unless one is configured), handed to the
+    processes that serve or call the admin routes in their environment: never on a command line (any process
+    reads /proc/*/cmdline), in a config file of the run directory, or to the trainer."""
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN", raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    model = tiny_model_dir("qwen3")
+    children = _launch(monkeypatch, tmp_path, model, "--run-name", "a", *flags)
+    assert sorted(children) == ["inference", "orchestrator", "trainer"]
+    token = children["inference"].env["TANDEM_ADMIN_TOKEN"]
+    assert token == given or (given is None and len(token) >= 32)
+    assert children["orchestrator"].env["TANDEM_ADMIN_TOKEN"] == token
+    assert "TANDEM_ADMIN_TOKEN" not in children["trainer"].env
+    assert not any(token in " ".join(child.command) for child in children.values())
+    written = [path for path in (tmp_path / "out" / "a").rglob("*") if path.is_file()]
+    assert written and not any(token.encode() in path.read_bytes() for path in written)
+    if given is None:  # random per run
+        again = _launch(monkeypatch, tmp_path, model, "--run-name", "b")
+        assert again["inference"].env["TANDEM_ADMIN_TOKEN"] not in (token, None)
+
+
+def test_two_different_admin_tokens_are_refused(tmp_path, capsys):
+    flags = ["--inference.admin-token", "one", "--orchestrator.inference.admin-token", "two", "--dry-run"]
+    assert main(["rl", "@", _sources(tmp_path), *flags]) == 2
+    assert "inference.admin_token and orchestrator.inference.admin_token differ" in capsys.readouterr().err

@@ -520,8 +520,8 @@ class Orchestrator:
         """Evaluate the policy being served, beside the training rollouts; one `kind = "eval"` record."""
         version, started = self.pool.version, time.monotonic()
         out_dir = self.run_dir / "evals" / f"step-{step:06d}"
-        inference = self.config.inference
-        metrics = await run_online_eval(self.config.eval, inference.base_urls[0], inference.admin_token, out_dir)
+        base_url = self.config.inference.base_urls[0]
+        metrics = await run_online_eval(self.config.eval, base_url, self.pool.admin_token, out_dir)
         self._metrics_out.write(
             {
                 "step": step,
