@@ -124,3 +124,27 @@ def test_two_different_admin_tokens_are_refused(tmp_path, capsys):
     flags = ["--inference.admin-token", "one", "--orchestrator.inference.admin-token", "two", "--dry-run"]
     assert main(["rl", "@", _sources(tmp_path), *flags]) == 2
     assert "inference.admin_token and orchestrator.inference.admin_token differ" in capsys.readouterr().err
+
+
+def test_the_rl_trainer_checkpoints_by_default_whatever_else_its_section_sets():
+    """A stopped `tandem rl` run (the README's example, Ctrl-C) can be resumed without a setting of its own."""
+    from tandem.config import load_config
+    from tandem.config.rl import RlConfig
+
+    assert RlConfig().trainer.ckpt.interval == 50
+    config = load_config(RlConfig, ["--trainer.ckpt.keep", "3"])[0]
+    assert (config.trainer.ckpt.interval, config.trainer.ckpt.keep) == (50, 3)
+    assert load_config(RlConfig, ["--trainer.ckpt.interval", "0"])[0].trainer.ckpt.interval == 0
+
+
+def test_resuming_a_run_stopped_before_its_first_checkpoint_names_the_setting(
+    monkeypatch, tmp_path, tiny_model_dir, capsys
+):
+    model = tiny_model_dir("qwen3")
+    _launch(monkeypatch, tmp_path, model, "--run-name", "a")  # no child ran: no checkpoint
+    capsys.readouterr()
+    args = ["rl", "--model", str(model), "@", _sources(tmp_path), "--output-dir", str(tmp_path / "out")]
+    assert main([*args, "--run-name", "a", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "tandem rl: error: nothing to resume: no complete checkpoint under " in err
+    assert "with `trainer.ckpt.interval` = 50 one is written every 50 steps" in err

@@ -145,7 +145,8 @@ def _stop(children: list[LaunchedChild], timeout_s: float = 30.0) -> None:
 def _resume_step(config: RlConfig) -> int:
     """The trainer checkpoint to continue from (the given step's, else the newest intact one, verified against its
     manifest); drop what was produced after it."""
-    step, _ = resolve_resume(checkpoints_root(config.run_dir), config.resume.step)
+    interval = ("trainer.ckpt.interval", config.trainer.ckpt.interval)
+    step, _ = resolve_resume(checkpoints_root(config.run_dir), config.resume.step, interval=interval)
     for later in range(step + 1, config.max_steps + 1):
         batch_path(config.run_dir / "batches", later).unlink(missing_ok=True)
         shutil.rmtree(policy_dir(config.run_dir / "policies", later), ignore_errors=True)
