@@ -57,6 +57,16 @@ def test_help_lists_every_field_with_type_default_and_description(capsys, name):
         assert info.description in lines[matches[0] + 1]
 
 
+def test_help_shows_the_defaults_a_section_field_declares(capsys):
+    """`ckpt = CheckpointConfig(interval=50)` in the RL trainer: its help says 50, not the class's 0."""
+    main(["rl", "--help"])
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    assert rows["--trainer.ckpt.interval"].endswith("(default: 50)")
+    assert rows["--trainer.optim.lr"].endswith("(default: 1e-06)")
+    assert rows["--inference.port"].endswith("(default: 0)")
+    assert rows["--trainer.run-name"].endswith('(default: "")')  # shared values flow from the top level
+
+
 def test_help_groups_fields_by_section(capsys):
     main(["rl", "--help"])
     out = capsys.readouterr().out

@@ -56,6 +56,13 @@ def documented_commands() -> list[tuple[str, str]]:
 COMMANDS = documented_commands()
 
 
+READERS_OWN = {
+    "rl": '[[orchestrator.source]]\nid = "reverse_text"\n',
+    "orchestrator": '[[source]]\nid = "reverse_text"\n',
+}
+"""The reader's own config file (`@ run.toml`): the defaults, and what a run has none for, its training source."""
+
+
 def test_the_docs_have_commands():
     assert len(COMMANDS) > 20
     assert any(command.startswith("eval ") for _, command in COMMANDS)
@@ -70,7 +77,8 @@ def test_documented_command_resolves(where, command, tmp_path, monkeypatch, caps
     (tmp_path / "examples").symlink_to(REPO / "examples")
     for index, word in enumerate(argv[:-1]):
         if word == "@" and not (tmp_path / argv[index + 1]).exists():
-            (tmp_path / argv[index + 1]).write_text("")  # the reader's own file (`@ run.toml`): defaults suffice
+            whole = not argv[index - 1].startswith("--")  # `@ run.toml`, not a section's `--trainer @ file`
+            (tmp_path / argv[index + 1]).write_text(READERS_OWN.get(argv[0], "") if whole else "")
     if "--help" not in argv and "--dry-run" not in argv:
         argv.append("--dry-run")
     assert main(argv) == 0, f"{where}: `tandem {command}` failed: {capsys.readouterr().err}"
@@ -126,7 +134,10 @@ def test_the_readme_eval_commands_run_as_written(served_tiny_model, tmp_path, mo
             ("http://127.0.0.1:8000/v1", served_tiny_model),
             ("../shared/data/gsm8k/test.jsonl", str(GSM8K_TEST)),
             ("examples/eval/gsm8k.toml", str(example)),
-            ("'outputs/<eval' 'run>'", str(tmp_path / "sources")),  # the placeholder's two words, as shlex.join quotes them
+            (
+                "'outputs/<eval' 'run>'",
+                str(tmp_path / "sources"),
+            ),  # the placeholder's two words, as shlex.join quotes them
         ]:
             command = command.replace(written, here)
         return [*shlex.split(command), "--output-dir", str(tmp_path), "--run-name", run_name]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from support.jsonl import read_jsonl, read_metrics
@@ -48,10 +50,15 @@ def test_rl_runs_trains_and_serves_each_new_policy(tiny_model_dir, tmp_path):
 
 
 def test_a_failing_child_stops_the_run_with_its_error(tiny_model_dir, tmp_path):
-    sources = write_rl_sources(tmp_path, "no_such_env")
-    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", sources, "--max-steps", "2", check=False)
+    """Arguments the env's constructor refuses pass the launcher's check (which builds nothing) and fail the
+    orchestrator: the run stops, and the launcher's tail of its log ends at the error it died of."""
+    sources = tmp_path / "bad.toml"
+    sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\nargs = { min_words = 0 }\n')
+    result = tandem_rl(tiny_model_dir("qwen3"), tmp_path, "@", str(sources), "--max-steps", "2", check=False)
     assert result.returncode == 1
-    assert "orchestrator exited" in result.stderr and "no_such_env" in result.stderr
+    stderr = " ".join(result.stderr.split())  # the console wraps long log lines
+    assert "orchestrator exited with code 2" in stderr
+    assert "tandem orchestrator: error: source 'reverse_text': need 1 <= min_words <= max_words, got 0" in stderr
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -71,7 +78,9 @@ def test_killed_rl_run_resumes_without_losing_or_repeating_steps(tiny_model_dir,
     with batches sampled past the checkpoint, resumes with every step exactly once and keeps learning; single-turn,
     and multi-turn (two replies an episode, both trained)."""
     sources = tmp_path / "letter_e.toml"
-    sources.write_text(f'[[orchestrator.source]]\nid = "tandem.testing.toy_envs:{env_id}"\nsampling = {{ max_tokens = 16 }}\n')
+    sources.write_text(
+        f'[[orchestrator.source]]\nid = "tandem.testing.toy_envs:{env_id}"\nsampling = {{ max_tokens = 16 }}\n'
+    )
     command = rl_command(
         tiny_model_dir("qwen3"), tmp_path, "@", str(sources), "--max-steps", "12", "--trainer.ckpt.interval", "3",
         "--trainer.optim.lr", "3e-2", "--orchestrator.log-samples", "2",
@@ -127,11 +136,16 @@ def test_top_k_top_p_rollouts_replay_the_same_distribution_in_the_trainer(tiny_m
 
 
 def test_ctrl_c_stops_every_process(tiny_model_dir, tmp_path):
+    """Also: the run's server refuses an admin call without the run's token, while the orchestrator's own (it has
+    joined the trainer's weight hand-off, an admin route, before the first rollout) went through."""
     command = rl_command(tiny_model_dir("qwen3"), tmp_path, "@", write_rl_sources(tmp_path), "--max-steps", "1000")
     run_dir = tmp_path / "rl"
     metrics = run_dir / "metrics.jsonl"
     with spawn(command, watch=[run_dir]) as launcher:
         launcher.wait_until(lambda: metrics.exists() and metrics.stat().st_size > 0, "the first trainer step")
+        url = json.loads((run_dir / "server.json").read_text())["url"]
+        assert httpx.post(f"{url}/pause").status_code == 401
+        assert httpx.post(f"{url}/update_weights", json={"path": "x", "version": 666}).status_code == 401
         os.kill(launcher.pid, signal.SIGINT)  # the launcher alone: it stops its children itself
         result = launcher.wait()
     assert result.returncode == 130, result.stderr[-2000:]

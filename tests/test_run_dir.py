@@ -121,3 +121,47 @@ def test_rl_without_sources_is_a_config_error_before_anything_starts(tmp_path, t
     assert main(["rl", "--model", str(tiny_model_dir("qwen3")), "--output-dir", str(tmp_path)]) == 2
     assert "no training sources" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+SHUTDOWN_NOISE = """
+import atexit, sys
+
+class Finalized:
+    def __del__(self):
+        raise RuntimeError("a finalizer at shutdown")
+
+keep = Finalized()
+atexit.register(lambda: [print(f"W shutdown warning {i}", file=sys.stderr) for i in range(40)])
+raise ValueError("the real failure: bad rollout")
+"""
+
+
+def test_log_tail_shows_the_exception_a_process_died_of_not_its_shutdown_noise(tmp_path):
+    """A child dying of an exception may print a screenful after its traceback while the interpreter shuts down
+    (atexit output, a finalizer's "Exception ignored" traceback): the tail ends at the real exception."""
+    import subprocess
+    import sys
+
+    from tandem.run import log_tail
+
+    log = tmp_path / "child.log"
+    with log.open("w") as handle:
+        subprocess.run([sys.executable, "-c", SHUTDOWN_NOISE], stdout=handle, stderr=subprocess.STDOUT, check=False)
+    assert "Exception ignored" in log.read_text() and "shutdown warning 39" in log.read_text()  # the noise is there
+    tail = log_tail(log, 10).splitlines()
+    assert tail[0] == "Traceback (most recent call last):"
+    assert tail[-2] == "ValueError: the real failure: bad rollout"
+    assert tail[-1].startswith("(4") and tail[-1].endswith(f"later lines in {log})")
+    assert not any("shutdown warning" in line or "finalizer" in line for line in tail)
+
+
+def test_log_tail_ends_at_a_commands_one_line_error(tmp_path):
+    from tandem.run import log_tail
+
+    log = tmp_path / "child.log"
+    log.write_text("loading\n" * 50 + "tandem orchestrator: error: source 'x': bad\n" + "noise\n" * 3)
+    assert (
+        log_tail(log, 3) == f"loading\nloading\ntandem orchestrator: error: source 'x': bad\n(3 later lines in {log})"
+    )
+    log.write_text("one\ntwo\n")
+    assert log_tail(log) == "one\ntwo"  # no failure recognised: the end of the log

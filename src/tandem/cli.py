@@ -26,6 +26,9 @@ class Command:
     """`module:function` taking the resolved config and returning an exit code."""
     positional: str | None = None
     """Dotted key a leading positional argument sets: `tandem eval gsm8k` is `tandem eval --env.id gsm8k`."""
+    check: str | None = None
+    """`module:function` raising ConfigError for a config the command would refuse before starting anything (its
+    runner calls it too): `--dry-run` runs it, so a config it prints is one the command accepts."""
 
     def config_class(self) -> type[BaseModel]:
         return _resolve(self.config)
@@ -47,6 +50,7 @@ COMMANDS = {
             "Run inference, orchestrator and trainer together: asynchronous RL on one machine.",
             "tandem.config.rl:RlConfig",
             "tandem.launch:run_rl",
+            check="tandem.launch:check_rl",
         ),
         Command("sft", "Supervised fine-tuning on FSDP2.", "tandem.config.sft:SftConfig", "tandem.trainer.sft:launch"),
         Command(
@@ -67,6 +71,7 @@ COMMANDS = {
             "Schedule rollouts, score them, and write training batches.",
             "tandem.config.orchestrator:OrchestratorConfig",
             "tandem.orchestrator.main:run",
+            check="tandem.orchestrator.tasks:check_sources",
         ),
         Command(
             "trainer",
@@ -114,6 +119,8 @@ def run_command(command: Command, argv: list[str]) -> int:
         sys.stdout.write(render_help(command.name, command.summary, config_class))
         return 0
     if command_line.dry_run:
+        if command.check is not None:
+            _resolve(command.check)(config)
         sys.stdout.write(to_toml(config))
         return 0
     serves_by_name = command.name == "eval" and getattr(config, "base_url", None)  # `model`: a name the server serves

@@ -2,8 +2,10 @@
 
 Each child gets its own resolved config file in the run directory (`inference.toml`, or
 `inference-<k>.toml` for each of several servers, `trainer.toml`, `orchestrator.toml`), its devices
-through CUDA_VISIBLE_DEVICES (`child_envs`), and a log under `logs/`. If any child fails, the others are stopped and the failing child's log tail is printed;
-Ctrl-C stops everything. `--resume` restarts from the trainer's newest checkpoint: batches and
+through CUDA_VISIBLE_DEVICES (`child_envs`), and a log under `logs/`. The servers and the orchestrator also get
+the run's admin token (`run_admin_token`) in their environment, the one place no other process on the host (a
+sandboxed tool call included) can read it from: not a command line, nor a file in the run directory. If any
+child fails, the others are stopped and the failing child's log tail is printed; Ctrl-C stops everything. `--resume` restarts from the trainer's newest checkpoint: batches and
 policies written after it are removed, and the per-step record files (`STEP_FILES`) are cut back to it
 before any child starts, so no step is lost or counted twice and nothing reads a file being rewritten.
 """
@@ -14,6 +16,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,9 +31,9 @@ from tandem.config.inference import InferenceConfig
 from tandem.config.rl import RlConfig, RlDeployConfig
 from tandem.files import atomic_write_text
 from tandem.jsonl import keep_steps_up_to
-from tandem.net import is_loopback
+from tandem.net import ADMIN_TOKEN_ENV, admin_token, is_loopback
 from tandem.orchestrator.main import PER_STEP_FILES
-from tandem.orchestrator.tasks import require_sources
+from tandem.orchestrator.tasks import check_sources
 from tandem.run import claim_run_dir, log_tail, prepare_run_dir
 from tandem.shared_gpu import split_shared_gpu
 from tandem.trainer.ckpt import resolve_resume
@@ -84,15 +87,35 @@ def child_envs(deploy: RlDeployConfig, environ: dict[str, str] | None = None) ->
     return envs
 
 
+def run_admin_token(config: RlConfig) -> str:
+    """The bearer token the run's servers require on their admin routes (/pause, /update_weights, /resume,
+    /weights/join) and the orchestrator sends: the one configured (`inference.admin_token`, the same
+    `orchestrator.inference.admin_token`, or $TANDEM_ADMIN_TOKEN), else a random one for this run, so that nothing
+    else on the host can pause the servers or replace the policy being trained."""
+    configured = config.inference.admin_token or config.orchestrator.inference.admin_token
+    return admin_token(configured) or secrets.token_urlsafe(32)
+
+
+def _without_admin_tokens(config: RlConfig) -> RlConfig:
+    """`config` with no admin token in it: the config files written into the run directory never hold one."""
+    pool = config.orchestrator.inference.model_copy(update={"admin_token": None})
+    orchestrator = config.orchestrator.model_copy(update={"inference": pool})
+    inference = config.inference.model_copy(update={"admin_token": None})
+    return config.model_copy(update={"orchestrator": orchestrator, "inference": inference})
+
+
 def _start(name: str, command: list[str], run_dir: Path, env: dict[str, str]) -> LaunchedChild:
+    """Start child `name` with `env` added to our environment, less any admin token (`env` gives it to the children
+    that call or serve admin routes)."""
     log = run_dir / "logs" / f"{name}.stderr.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     handle = log.open("w")
+    inherited = {key: value for key, value in os.environ.items() if key != ADMIN_TOKEN_ENV}
     process = subprocess.Popen(
         command,
         stdout=handle,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **env},
+        env={**inherited, **env},
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
@@ -122,7 +145,8 @@ def _stop(children: list[LaunchedChild], timeout_s: float = 30.0) -> None:
 def _resume_step(config: RlConfig) -> int:
     """The trainer checkpoint to continue from (the given step's, else the newest intact one, verified against its
     manifest); drop what was produced after it."""
-    step, _ = resolve_resume(checkpoints_root(config.run_dir), config.resume.step)
+    interval = ("trainer.ckpt.interval", config.trainer.ckpt.interval)
+    step, _ = resolve_resume(checkpoints_root(config.run_dir), config.resume.step, interval=interval)
     for later in range(step + 1, config.max_steps + 1):
         batch_path(config.run_dir / "batches", later).unlink(missing_ok=True)
         shutil.rmtree(policy_dir(config.run_dir / "policies", later), ignore_errors=True)
@@ -231,11 +255,18 @@ class ChildFailed(RuntimeError):
         super().__init__(child.name)
 
 
+def check_rl(config: RlConfig) -> None:
+    """What `tandem rl` checks before it starts anything, `--dry-run` included: every source resolves."""
+    check_sources(config.orchestrator)
+
+
 def run_rl(config: RlConfig) -> int:
     """The `tandem rl` runner."""
+    check_rl(config)
     read_model_args(config.trainer)  # a bad model path is one line here, not a child's failure after start-up
-    require_sources(config.orchestrator.source)
     config, memory_plan = split_shared_gpu(config)  # one GPU for both: a split that cannot fit fails here
+    token = run_admin_token(config)
+    config = _without_admin_tokens(config)
     claim_run_dir(config.run_dir, resume=config.resume.enabled, overwrite=config.overwrite)
     prepare_run_dir(config, "rl")
     if memory_plan is not None:
@@ -247,6 +278,8 @@ def run_rl(config: RlConfig) -> int:
     for stale in (*(s.run_dir / "server.json" for s in servers.values()), announce_path(config.run_dir)):
         stale.unlink(missing_ok=True)  # left by an earlier, killed run
     envs = child_envs(config.deploy)
+    for name in (*servers, "orchestrator"):
+        envs[name] = {**envs[name], ADMIN_TOKEN_ENV: token}
     children: list[LaunchedChild] = []
     progress = None
     try:

@@ -1,11 +1,17 @@
-"""Network addresses: which hosts only this machine can reach, and the socket a server listens on."""
+"""Network addresses, the socket a server listens on, and the admin token: which hosts only this machine can
+reach, and what a server's admin routes ask of the rest."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 
 from tandem.config import ConfigError
+
+ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
+"""The environment variable that holds the admin token where a config names none: how `tandem rl` gives its
+run's token to its servers and orchestrator without a command line or a file, which other processes could read."""
 
 
 def is_loopback(host: str) -> bool:
@@ -37,3 +43,8 @@ def bind_server_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     return sock
+
+
+def admin_token(configured: str | None) -> str | None:
+    """The bearer token of the servers' admin routes: the configured one, else $TANDEM_ADMIN_TOKEN, else none."""
+    return configured or os.environ.get(ADMIN_TOKEN_ENV) or None

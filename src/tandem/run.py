@@ -87,10 +87,46 @@ def _config_or_log(entry: Path) -> bool:
     return (entry.name == "logs" and entry.is_dir()) or (bool(RUN_CONFIG.match(entry.name)) and entry.is_file())
 
 
+_TRACEBACK = "Traceback (most recent call last):"
+_NOT_THE_FAILURE = ("Exception ignored", "Exception in thread")  # what follows is a traceback the process survived
+_COMMAND_ERROR = re.compile(r"^tandem [\w-]+: (error|interrupted)")  # `exit_code`'s one line
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
-    """The last lines of a child process's log, for the error that reports its death."""
+    """The end of a child process's log, for the error that reports its death: its last `lines` lines up to the
+    end of the failure (the last traceback it died of, or its command's one-line error), not the noise an
+    interpreter may print after it while shutting down (a finalizer's "Exception ignored" traceback, a leaked
+    semaphore warning), which would push the real exception out of view."""
     text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
-    return "\n".join(text.splitlines()[-lines:]) or "(no output)"
+    logged = text.splitlines()
+    end = _failure_end(logged)
+    shown = "\n".join(logged[max(0, end - lines) : end]) or "(no output)"
+    later = len(logged) - end
+    return shown + (f"\n({later} later lines in {path})" if later else "")
+
+
+def _failure_end(lines: list[str]) -> int:
+    """The index after the last line of the failure a log ends with (its length when none is recognised)."""
+    start = next(
+        (
+            i
+            for i in range(len(lines) - 1, -1, -1)
+            if _COMMAND_ERROR.match(lines[i])
+            or (lines[i].startswith(_TRACEBACK) and not (i and lines[i - 1].startswith(_NOT_THE_FAILURE)))
+        ),
+        None,
+    )
+    if start is None:
+        return len(lines)
+    if not lines[start].startswith(_TRACEBACK):
+        return start + 1
+    end = start + 1
+    while end < len(lines) and (lines[end].startswith(" ") or not lines[end]):  # the frames
+        end += 1
+    end = min(end + 1, len(lines))  # the exception
+    while end < len(lines) and lines[end].startswith((" ", "\t")):
+        end += 1  # its message's indented lines (a pydantic ValidationError's fields)
+    return end
 
 
 _CONSOLE: Console | None = None

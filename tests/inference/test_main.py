@@ -1,10 +1,11 @@
-"""`tandem inference` as a process: port 0 and server.json, the serving summary, SIGTERM (recorded as a clean
-stop), config mistakes and a port in use (before the model loads), and `tandem eval --model` running against it end
-to end."""
+"""`tandem inference` as a process: port 0 and server.json, the admin token from its environment, the serving
+summary, SIGTERM (recorded as a clean stop), config mistakes and a port in use (before the model loads), and
+`tandem eval --model` running against it end to end."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,7 +28,8 @@ def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, t
         sys.executable, "-m", "tandem", "inference", "--model", str(model_dir("qwen3")), "--model.dtype", "float32",
         "--port", "0", "--seq-len", "128", "--output-dir", str(tmp_path), "--run-name", "srv", "--log-interval-s", "0.2",
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "TANDEM_ADMIN_TOKEN": "from-env"}  # how `tandem rl` gives its servers the run's token
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         server_json = tmp_path / "srv" / "server.json"
         wait_for(lambda: server_json.is_file() or process.poll() is not None, lambda: tree_state([tmp_path]))
@@ -35,6 +37,10 @@ def test_the_server_process_publishes_its_port_and_stops_on_sigterm(model_dir, t
         info = json.loads(server_json.read_text())
         assert info["pid"] == process.pid and info["model"] == model_dir("qwen3").name
         assert httpx.get(f"{info['url']}/health").json()["status"] == "ok"
+        assert httpx.post(f"{info['url']}/pause").status_code == 401
+        admin = {"Authorization": "Bearer from-env"}
+        assert httpx.post(f"{info['url']}/pause", headers=admin).json()["paused"] is True
+        assert httpx.post(f"{info['url']}/resume", headers=admin).json()["paused"] is False
         # on a GPU the first request captures the decode graphs and autotunes the kernels: seconds, not httpx's 5
         reply = httpx.post(f"{info['url']}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=120)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 4

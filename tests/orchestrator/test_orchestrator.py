@@ -130,3 +130,68 @@ def test_a_collapsed_policy_stops_the_run_instead_of_sampling_forever(tiny_model
         run_orchestrator(config, pool)
     assert (config.run_dir / "batches" / "step-000001.safetensors").exists()  # what had signal was trained
     assert pool.groups < 100  # stopped at the streak, not after drawing on
+
+
+class LengthRecordingPool(FakePool):
+    """FakePool that records the longest prompt it was asked to complete, and the max_tokens it was given."""
+
+    longest_prompt = 0
+
+    async def generate(self, prompt_ids, sampling, n, seed):
+        self.longest_prompt = max(self.longest_prompt, len(prompt_ids) + sampling.max_tokens)
+        return await super().generate(prompt_ids, sampling, n, seed)
+
+
+LONG = {"min_words": 60, "max_words": 60}  # a reverse_text prompt of ~340 tokens with the tiny tokenizer
+
+
+@pytest.mark.parametrize("env_id", ["reverse_text", "tandem.testing.toy_envs:LetterETurns"])
+def test_prompts_too_long_for_seq_len_are_skipped_before_sampling(tiny_model_dir, tmp_path, env_id, caplog):
+    """A prompt that leaves no room for a reply within seq_len is counted and skipped, never sent to a server nor
+    packed (it used to crash pack_batch: the calculator env's 455-token prompt at seq_len 256), single- and
+    multi-turn alike, and a reply is never asked to run past seq_len."""
+    sources = [{"id": env_id, "args": {"max_words": 2}}, {"id": env_id, "args": LONG}]
+    config = make_config(
+        tmp_path, tiny_model_dir("qwen3"), source=sources, max_steps=2, filter_zero_advantage=False, keep_batches=True
+    )
+    pool = LengthRecordingPool(None)
+    metrics = run_orchestrator(config, pool)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert sum(m.get("dropped/prompt_too_long", 0) for m in metrics) > 0
+    assert 0 < pool.longest_prompt <= config.seq_len
+    warnings = [r.getMessage() for r in caplog.records if "dropped/prompt_too_long" in r.getMessage()]
+    assert len(warnings) == 1 and "does not fit seq_len 256" in warnings[0]  # once per source, not per prompt
+
+
+def test_a_run_whose_prompts_are_all_too_long_stops_with_a_clear_error(tiny_model_dir, tmp_path):
+    from tandem.orchestrator.main import PromptsTooLong
+
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), source=[{"id": "reverse_text", "args": LONG}])
+    pool = LengthRecordingPool(None)
+    with pytest.raises(PromptsTooLong, match=r"did not fit seq_len 256 .* raise seq_len"):
+        run_orchestrator(config, pool)
+    assert pool.longest_prompt == 0  # nothing was sampled
+
+
+def test_a_first_batch_without_signal_logs_the_filtered_samples_and_says_why(tiny_model_dir, tmp_path):
+    """Every group of the first batch scores the same: the error speaks of the task and reward (not of a collapsed
+    policy), and rollouts.jsonl, which only trained rollouts reached before, shows samples of what was filtered."""
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), log_samples=3)
+    pool = CollapsingPool(None)
+    pool.collapse_at = 0  # from the first group on
+    with pytest.raises(NoLearningSignal, match=r"batch 1: .*no group has had a learning signal yet.*too hard") as error:
+        run_orchestrator(config, pool)
+    assert '"filtered": true' in str(error.value) and "rollouts.jsonl" in str(error.value)
+    samples = [json.loads(line) for line in (config.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(samples) == 3  # log_samples a step
+    assert all(s["filtered"] and s["step"] == 1 and s["advantage"] == 0.0 for s in samples)
+    assert all(s["prompt"] and isinstance(s["completion"], str) for s in samples)
+
+
+def test_trained_rollouts_are_marked_unfiltered(tiny_model_dir, tmp_path):
+    config = make_config(tmp_path, tiny_model_dir("qwen3"), max_steps=2, log_samples=2)
+    run_orchestrator(config, FakePool(None))
+    samples = [json.loads(line) for line in (config.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if not s["filtered"]]
+    assert [s["step"] for s in trained] == [1, 1, 2, 2]
+    assert all(s["filtered"] in (True, False) for s in samples)

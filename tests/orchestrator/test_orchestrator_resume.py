@@ -142,10 +142,12 @@ def test_rollouts_are_logged_as_text_and_cut_back_on_resume(tiny_model_dir, tmp_
     first = make_config(tmp_path, model, max_steps=3, log_samples=3, keep_batches=True)
     run_orchestrator(first, SeededPool(), with_trainer=False)
     path = first.run_dir / "rollouts.jsonl"
-    rows = read_jsonl(path)
+    logged = read_jsonl(path)
+    rows = [r for r in logged if not r["filtered"]]  # trained; the others' groups were filtered for equal rewards
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     keys = {"step", "source", "task_id", "prompt", "completion", "reward", "advantage", "outcome", "version", "metrics"}
-    assert all(set(r) == keys for r in rows)
+    assert all(set(r) == {*keys, "filtered"} for r in logged)
+    assert all(r["advantage"] == 0.0 for r in logged if r["filtered"])
     row = rows[0]
     # the newest policy, loaded first
     assert row["source"] == "reverse_text" and row["outcome"] == "ok" and row["version"] == 2
@@ -159,7 +161,9 @@ def test_rollouts_are_logged_as_text_and_cut_back_on_resume(tiny_model_dir, tmp_
     batch_path(first.run_dir / "batches", 3).unlink()
     resumed = make_config(tmp_path, model, max_steps=3, log_samples=3, resume_step=2)
     run_orchestrator(resumed, SeededPool(), with_trainer=False)
-    assert [r["step"] for r in read_jsonl(path)] == [1, 1, 1, 2, 2, 2, 3, 3, 3]  # step 3 once
+    after = read_jsonl(path)
+    assert [r["step"] for r in after if not r["filtered"]] == [1, 1, 1, 2, 2, 2, 3, 3, 3]  # step 3 once
+    assert [r for r in after if r["step"] <= 2] == [r for r in logged if r["step"] <= 2]  # the kept steps as they were
     off = make_config(tmp_path / "off", model, max_steps=1, log_samples=0)
     publish(off.run_dir, 1)
     run_orchestrator(off, SeededPool(), with_trainer=False)

@@ -91,9 +91,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(case, r
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(file))}.*{problem}|{problem}.*{re.escape(str(file))}"):
         verify_checkpoint(root / "step-000003")
     with pytest.raises(CheckpointError, match=re.escape(str(file))):
-        resolve_resume(root, 3)  # asked for by step: no fallback
+        resolve_resume(root, 3, interval=("ckpt.interval", 1))  # asked for by step: no fallback
     with caplog.at_level(logging.WARNING, logger="tandem.trainer.ckpt"):
-        assert resolve_resume(root, None) == (2, root / "step-000002")
+        assert resolve_resume(root, None, interval=("ckpt.interval", 1)) == (2, root / "step-000002")
     assert str(file) in caplog.text and "resuming from step 2" in caplog.text
 
 
@@ -101,7 +101,7 @@ def test_every_checkpoint_damaged_is_an_error_naming_each(root):
     for step in (1, 2, 3):
         _flip_byte(root / f"step-{step:06d}" / "model-00000-of-00001.safetensors", -5)
     with pytest.raises(CheckpointError, match=r"every checkpoint .* is damaged") as error:
-        resolve_resume(root, None)
+        resolve_resume(root, None, interval=("ckpt.interval", 1))
     assert all(f"step-{step:06d}/model-00000-of-00001.safetensors" in str(error.value) for step in (1, 2, 3))
 
 
@@ -110,7 +110,9 @@ def test_the_fallback_restores_that_checkpoint_exactly(root, tmp_path):
     reference = tmp_path / "reference"
     shutil.copytree(root / "step-000002", reference)
     _flip_byte(root / "step-000003" / "model-00000-of-00001.safetensors", -11)
-    config = SimpleNamespace(run_dir=root.parent, resume=SimpleNamespace(enabled=True, step=None))
+    config = SimpleNamespace(
+        run_dir=root.parent, resume=SimpleNamespace(enabled=True, step=None), ckpt=SimpleNamespace(interval=1)
+    )
     resumed, expected = _trainer(seed=1), _trainer(seed=2)
     assert resume_step(config, *resumed) == 2
     _train_step(*resumed)  # the RNG state is restored too, so the next batch is the same
@@ -190,7 +192,9 @@ def test_rl_resume_takes_the_newest_intact_checkpoint_and_drops_what_came_after(
         batch_path(run_dir / "batches", step).write_bytes(b"batch")
         policy_dir(run_dir / "policies", step).mkdir(parents=True)
     _flip_byte(root / "step-000003" / "state.json", 10)
-    config = SimpleNamespace(run_dir=run_dir, max_steps=5, resume=SimpleNamespace(enabled=True, step=None))
+    resume = SimpleNamespace(enabled=True, step=None)
+    trainer = SimpleNamespace(ckpt=SimpleNamespace(interval=1))
+    config = SimpleNamespace(run_dir=run_dir, max_steps=5, resume=resume, trainer=trainer)
     with caplog.at_level(logging.WARNING, logger="tandem.trainer.ckpt"):
         assert _resume_step(config) == 2
     assert "step-000003/state.json fails its CRC-32 checksum" in caplog.text
@@ -224,7 +228,9 @@ def test_sft_resume_past_a_damaged_newest_checkpoint_continues_exactly(tiny_mode
 def test_a_resume_removes_the_checkpoints_past_it_so_keep_spares_its_own(root):
     """Resuming from step 1 drops steps 2 and 3 (an abandoned history): with keep = 1 the resumed run's next
     checkpoint is the one kept, not deleted in favour of the old step 3, and a later resume takes it."""
-    config = SimpleNamespace(run_dir=root.parent, resume=SimpleNamespace(enabled=True, step=1))
+    config = SimpleNamespace(
+        run_dir=root.parent, resume=SimpleNamespace(enabled=True, step=1), ckpt=SimpleNamespace(interval=1)
+    )
     model, optimizer, scheduler = _trainer(seed=1)
     assert resume_step(config, model, optimizer, scheduler) == 1
     assert sorted(list_checkpoints(root)) == [1]

@@ -76,6 +76,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, reverse_text
     result = tandem_sft(*flags, "--resume", check=False)
     assert result.returncode == 2
     assert "nothing to resume" in result.stderr and "Traceback" not in result.stderr
+    assert "with `ckpt.interval` = 0 one is written only at the end" in result.stderr  # the setting to change
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])

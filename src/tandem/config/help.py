@@ -18,10 +18,20 @@ USAGE = (
 )
 
 
-def _default(info: Any) -> str:
+def _default(info: Any, section: BaseModel | None, name: str) -> Any:
+    """A field's default: the value its section's declared default sets (`ckpt = CheckpointConfig(interval=50)`,
+    `inference = InferenceConfig(port=0)`), else the field's own; PydanticUndefined where it is required."""
+    shared = getattr(section, "shared_fields", ())  # flow from the top level: not the section's own
+    if section is not None and name in section.model_fields_set and name not in shared:
+        return getattr(section, name)
     if info.default is PydanticUndefined and info.default_factory is None:
+        return PydanticUndefined
+    return info.get_default(call_default_factory=True)
+
+
+def _shown(value: Any) -> str:
+    if value is PydanticUndefined:
         return "required"
-    value = info.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return ""
     if isinstance(value, tuple):
@@ -32,27 +42,34 @@ def _default(info: Any) -> str:
         return str(value)
 
 
-def _rows(model: type[BaseModel], prefix: str, groups: dict[str, list[tuple[str, str, str, str]]]) -> None:
-    """Fill `groups` (section name -> rows of flag, type, default, description): scalars first, then subsections."""
-    section = prefix.rstrip(".") or "general"
+def _rows(
+    model: type[BaseModel],
+    prefix: str,
+    groups: dict[str, list[tuple[str, str, str, str]]],
+    section: BaseModel | None = None,
+) -> None:
+    """Fill `groups` (section name -> rows of flag, type, default, description): scalars first, then subsections.
+    `section` is the default the parent field declares for this one, whose set values are the defaults shown."""
+    title = prefix.rstrip(".") or "general"
     nested = []
     for name, info in model.model_fields.items():
         flag = f"{prefix}{kebab(name)}"
         kind = field_kind(info.annotation)
+        default = _default(info, section, name)
         if kind.model is not None or kind.list_of_model is not None:
-            nested.append((flag, kind))
+            nested.append((flag, kind, default if isinstance(default, BaseModel) else None))
             continue
-        groups.setdefault(section, []).append(
+        groups.setdefault(title, []).append(
             (
                 flag if "[]" in flag else f"--{flag}",
                 annotation_name(info.annotation),
-                _default(info),
+                _shown(default),
                 info.description or "",
             )
         )
-    for flag, kind in nested:
+    for flag, kind, default in nested:
         if kind.model is not None:
-            _rows(kind.model, f"{flag}.", groups)
+            _rows(kind.model, f"{flag}.", groups, default)
         else:
             groups.setdefault(f"[[{flag}]]", [])
             _rows(kind.list_of_model, f"{flag}[].", groups)

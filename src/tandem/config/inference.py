@@ -24,7 +24,7 @@ class InferenceConfig(RunConfig):
     port: int = Field(8000, ge=0, le=65535)
     """TCP port to listen on (0 picks a free one)."""
     admin_token: str | None = None
-    """Bearer token required by the admin routes (/update_weights, /pause, /resume; default: $TANDEM_ADMIN_TOKEN)."""
+    """Bearer token required by the admin routes (/update_weights, /pause, /resume; default: $TANDEM_ADMIN_TOKEN). `tandem rl` always sets one: this, or a random one per run."""
     max_body_bytes: int = Field(32 * 2**20, ge=1024)
     """Largest request body accepted (larger ones get 413); the default, 32 MiB, holds a 128k-token prompt."""
     max_prompt_chars: int | None = Field(None, ge=1)

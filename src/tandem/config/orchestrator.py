@@ -54,7 +54,7 @@ class InferencePoolConfig(Section):
     base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """Inference servers, used round-robin by load."""
     admin_token: str | None = None
-    """Bearer token for the servers' admin routes (needed when they bind beyond loopback)."""
+    """Bearer token for the servers' admin routes (default: $TANDEM_ADMIN_TOKEN; `tandem rl` gives its own)."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Per-request timeout."""
     max_concurrent: int = Field(64, gt=0)

@@ -70,6 +70,17 @@ class RlConfig(RunConfig):
     """Start over in a run directory that holds an earlier run, deleting it first (never saved with the config)."""
 
     @model_validator(mode="after")
+    def _one_admin_token(self) -> RlConfig:
+        """The orchestrator calls the run's own servers: one token serves both ends."""
+        tokens = {self.inference.admin_token, self.orchestrator.inference.admin_token} - {None}
+        if len(tokens) > 1:
+            raise ValueError(
+                "inference.admin_token and orchestrator.inference.admin_token differ: `tandem rl` gives its servers "
+                "and its orchestrator one token (set one of them)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _vllm_takes_files(self) -> RlConfig:
         transport = self.trainer.weights.transport
         if self.inference.engine == "vllm" and transport in ("broadcast", "shared"):

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 from tandem.config.common import OptimConfig
-from tandem.config.training import TrainingRunConfig
+from tandem.config.training import CheckpointConfig, TrainingRunConfig
 
 
 class LossConfig(Section):
@@ -41,11 +41,18 @@ class WeightsConfig(Section):
     """broadcast, shared: fail when a member does not answer within this time (servers joining, a tensor, an acknowledgement)."""
 
 
+DEFAULT_RL_CKPT_INTERVAL = 50
+"""Steps between the RL trainer's checkpoints by default: a resume repeats at most this many steps, and the README's
+example (400 steps of ~1.6 s on CPU) writes 7 checkpoints of ~11 MB, a fraction of a second in all."""
+
+
 class TrainerConfig(TrainingRunConfig):
     command: ClassVar[str] = "trainer"
 
     optim: OptimConfig = OptimConfig(lr=1e-6)
     """Optimizer."""
+    ckpt: CheckpointConfig = CheckpointConfig(interval=DEFAULT_RL_CKPT_INTERVAL)
+    """Checkpointing: every 50 steps unless set (`interval`), so that a stopped RL run can be resumed (`--resume`)."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
     batch_timeout_s: float = Field(1800.0, gt=0)

@@ -10,7 +10,15 @@ from tandem.config.env import EnvConfig, IdxRange, SelectConfig, TaskFilter, par
 from tandem.envs.base import ROLLOUT_FIELDS, Message, Score, Task, Taskset, last_assistant_text, metric, reward
 from tandem.envs.multiturn import ContextFull, Episode, Generate, MultiTurnTaskset, run_episode
 from tandem.envs.numbers import extract_boxed, extract_final_number, find_numbers, normalize_number
-from tandem.envs.registry import load_env, load_taskset, register_taskset, registered_tasksets, resolve_taskset
+from tandem.envs.registry import (
+    check_env,
+    load_env,
+    load_taskset,
+    register_taskset,
+    registered_tasksets,
+    resolve_taskset,
+    source_errors,
+)
 from tandem.envs.select import SelectError, SelectWarning, apply_select
 from tandem.envs.synthetic import SyntheticTaskset
 
@@ -32,6 +40,7 @@ __all__ = [
     "TaskFilter",
     "Taskset",
     "apply_select",
+    "check_env",
     "extract_boxed",
     "extract_final_number",
     "find_numbers",
@@ -46,4 +55,5 @@ __all__ = [
     "resolve_taskset",
     "reward",
     "run_episode",
+    "source_errors",
 ]

@@ -12,9 +12,12 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from tandem.config import ConfigError
 from tandem.config.env import EnvConfig
 from tandem.envs.base import Taskset, require_rewards
 from tandem.envs.multiturn import MultiTurnTaskset
@@ -93,28 +96,55 @@ def import_env_module(module_name: str, what: str | None = None) -> ModuleType:
         raise ImportError(f"taskset {what or module_name!r}: cannot import module {module_name!r}: {e}{hint}") from e
 
 
-def load_taskset(id_or_path: str, **args: Any) -> Taskset:
-    """Build the taskset named by id or import path with constructor `args` (checked before the call)."""
+def _checked_class(id_or_path: str, args: dict[str, Any]) -> type[Taskset]:
+    """The taskset class, its constructor shown to accept `args`."""
     cls = resolve_taskset(id_or_path)
     try:
         inspect.signature(cls).bind(**args)
     except TypeError as e:
         accepted = ", ".join(inspect.signature(cls).parameters) or "no arguments"
         raise TypeError(f"taskset {id_or_path!r}: bad args {sorted(args)}: {e}; it takes: {accepted}") from None
-    return cls(**args)
+    return cls
+
+
+def load_taskset(id_or_path: str, **args: Any) -> Taskset:
+    """Build the taskset named by id or import path with constructor `args` (checked before the call)."""
+    return _checked_class(id_or_path, args)(**args)
+
+
+def check_env(config: EnvConfig) -> None:
+    """What `load_env` needs, checked without building the taskset (no data is read, nothing is generated): the
+    id or import path resolves, the args fit the constructor, max_turns goes to a multi-turn taskset. A command
+    calls it for every source before it starts anything; `load_env` raises the same errors."""
+    _check_turns(_checked_class(config.id, config.args), config)
+
+
+def _check_turns(cls: type[Taskset], config: EnvConfig) -> None:
+    if config.max_turns is not None and not issubclass(cls, MultiTurnTaskset):
+        raise ValueError(f"env {config.id!r}: max_turns is set but the taskset is single-turn")
 
 
 def load_env(config: EnvConfig) -> Taskset:
     """Build the configured taskset with the config's rollout limits; select its tasks with `apply_select`.
     A tool taskset builds its tools once here, so a tool that cannot run on this machine (the `python` tool
     without a sandbox: `SandboxUnavailable`) stops the command at start-up, before any step."""
-    taskset = load_taskset(config.id, **config.args)
+    cls = _checked_class(config.id, config.args)
+    _check_turns(cls, config)
+    taskset = cls(**config.args)
     if config.timeout_s is not None:
         taskset.timeout_s = config.timeout_s
     if config.max_turns is not None:
-        if not isinstance(taskset, MultiTurnTaskset):
-            raise ValueError(f"env {config.id!r}: max_turns is set but the taskset is single-turn")
         taskset.max_turns = config.max_turns
     if isinstance(taskset, ToolTaskset):
         taskset.tool_schemas()
     return taskset
+
+
+@contextmanager
+def source_errors(name: str) -> Iterator[None]:
+    """What resolving, building or selecting source `name` raises (an unknown id, bad args, missing data) as a
+    one-line ConfigError naming the source: every command reports a bad source the same way."""
+    try:
+        yield
+    except (ValueError, TypeError, ImportError, OSError) as error:
+        raise ConfigError(f"source {name!r}: {error}") from None

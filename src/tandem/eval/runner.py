@@ -21,7 +21,7 @@ from typing import Any
 from tandem.client import ChatCompletion, OpenAIClient, RequestError
 from tandem.config import ConfigError
 from tandem.config.eval import EvalSourceConfig, SamplingConfig
-from tandem.envs import ContextFull, Message, Task, Taskset, apply_select, load_env, run_episode
+from tandem.envs import ContextFull, Message, Task, Taskset, apply_select, load_env, run_episode, source_errors
 from tandem.envs.tool_env import ToolTaskset
 from tandem.eval.concurrency import AdaptiveLimiter
 from tandem.eval.traces import trace_key
@@ -50,11 +50,9 @@ class EvalSource:
 
 def load_source(config: EvalSourceConfig) -> EvalSource:
     """Build the taskset and select its tasks; a problem with either is a config error naming the source."""
-    try:
+    with source_errors(config.name):
         taskset = load_env(config)
         tasks = apply_select(taskset, config.select)
-    except (ValueError, TypeError, ImportError, OSError) as error:
-        raise ConfigError(f"source {config.name!r}: {error}") from None
     if not isinstance(tasks, list):
         raise ConfigError(
             f"source {config.name!r}: taskset {config.id!r} is infinite; bound it with select.limit "

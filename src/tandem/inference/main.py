@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,11 @@ from tandem.models.lora import (
     load_peft_adapter,
     read_adapter,
 )
-from tandem.net import bind_server_socket, is_loopback
+from tandem.net import ADMIN_TOKEN_ENV, admin_token, bind_server_socket, is_loopback
 from tandem.run import prepare_run_dir, records_clean_stop
 
 logger = logging.getLogger(__name__)
 
-ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"
 GRACEFUL_SHUTDOWN_S = 5
 
 
@@ -93,13 +91,13 @@ def _tokenizer(model_dir: Path) -> Any:
 
 
 def _admin_token(config: InferenceConfig) -> str | None:
-    admin_token = config.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    if not is_loopback(config.host) and admin_token is None:
+    token = admin_token(config.admin_token)
+    if not is_loopback(config.host) and token is None:
         raise ConfigError(
             f"binding {config.host} exposes the admin routes beyond this machine: set --admin-token "
             f"(or ${ADMIN_TOKEN_ENV}), or bind 127.0.0.1"
         )
-    return admin_token
+    return token
 
 
 def lora_to_serve(config: InferenceConfig, model_dir: Path) -> LoraArgs | None:

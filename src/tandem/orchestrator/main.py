@@ -38,7 +38,7 @@ from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflo
 from tandem.orchestrator.episodes import ChatSuffixes, TemplateSuffixError, TokenRollout, token_episode
 from tandem.orchestrator.evals import run_online_eval
 from tandem.orchestrator.pool import Completion, InferencePool
-from tandem.orchestrator.tasks import Draw, DrawLedger, TaskSampler, TrainSource, load_sources
+from tandem.orchestrator.tasks import Draw, DrawLedger, TaskSampler, TrainSource, check_sources, load_sources
 from tandem.run import RunError, prepare_run_dir
 from tandem.transport.batches import batch_path, write_batch
 from tandem.transport.policies import prune_policies
@@ -90,10 +90,15 @@ class NoLearningSignal(RunError):
     """Every recent group was filtered out for equal rewards; the message says what to check."""
 
 
+class PromptsTooLong(RunError):
+    """Every recent prompt drawn was too long for seq_len; the message names the source and the lengths."""
+
+
 @dataclass
 class StepStats:
     dropped: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
+    filtered_logged: int = 0  # filtered groups of this step written to rollouts.jsonl
 
 
 class Orchestrator:
@@ -109,6 +114,10 @@ class Orchestrator:
         self._batches_pruned = 0  # batch files up to this step are deleted
         self.stats = StepStats()
         self.equal_streak = 0  # groups filtered for equal rewards since the last group kept
+        self.streak_rewards: Counter[float] = Counter()  # the reward each group of the streak gave every rollout
+        self.kept_any = False  # whether this process has kept a group for a batch yet
+        self.long_streak = 0  # prompts too long for seq_len drawn since the last one that fit
+        self._warned_long: set[str] = set()  # sources a too-long prompt was reported for
         self._suffixes: dict[str, ChatSuffixes] = {}
 
     # -- producing groups -------------------------------------------------------------------------
@@ -123,8 +132,13 @@ class Orchestrator:
                 raise RunError(f"{draw.source.name}: images in multi-turn rollouts are not supported yet")
             return await self._run_episodes(draw)
         source, task = draw.source, draw.task
-        sampling = source.config.sampling
         prompt_ids = self._prompt_ids(task)
+        if not self._prompt_fits(draw, len(prompt_ids)):
+            return None
+        room = self.config.seq_len - len(prompt_ids)  # a sample is the prompt and its reply, within seq_len
+        sampling = source.config.sampling
+        if sampling.max_tokens > room:
+            sampling = sampling.model_copy(update={"max_tokens": room})
         images = image_refs(inline_images(task.messages()))  # files an environment names, read here
         timeout = source.taskset.timeout_s
         seed = self.config.seed + draw.index
@@ -138,6 +152,9 @@ class Orchestrator:
         except RequestError as error:
             logger.warning("rollout group failed: %s", error)
             self.stats.dropped["error"] += 1
+            return None
+        longest = max(len(c.token_ids) for c in completions)
+        if images and not self._prompt_fits(draw, len(prompt_ids), longest):  # with its images' tokens
             return None
         texts, rewards, metrics = [], [], []
         for completion in completions:
@@ -157,6 +174,37 @@ class Orchestrator:
         if not images:
             return prompt_ids, [], await self.pool.generate(prompt_ids, sampling, self.config.group_size, seed=seed)
         return await self.pool.generate_with_images(prompt_ids, images, sampling, self.config.group_size, seed)
+
+    def _prompt_fits(self, draw: Draw, prompt_tokens: int, reply_tokens: int = 1) -> bool:
+        """Whether a prompt and a reply fit seq_len. A prompt that leaves no room for a reply is skipped before
+        it is sampled (a prompt whose images the server expanded, once it is), counted as
+        `dropped/prompt_too_long` and reported once per source; a run whose prompts are all too long stops with
+        `PromptsTooLong` rather than draw forever."""
+        seq_len = self.config.seq_len
+        if prompt_tokens + reply_tokens <= seq_len:
+            self.long_streak = 0
+            return True
+        self.stats.dropped["prompt_too_long"] += 1
+        self.long_streak += 1
+        name = draw.source.name
+        if self.long_streak >= NO_SIGNAL_BATCHES * self.per_batch:
+            raise PromptsTooLong(
+                f"the last {self.long_streak} prompts drawn did not fit seq_len {seq_len} with a reply "
+                f"(the last, task {draw.task.id!r} of source {name!r}, is {prompt_tokens} tokens): raise seq_len "
+                "or select shorter tasks"
+            )
+        if name not in self._warned_long:
+            self._warned_long.add(name)
+            logger.warning(
+                "source %s: the prompt of task %r is %d tokens, so with a reply it does not fit seq_len %d: "
+                "skipped, as every such prompt will be (counted as dropped/prompt_too_long); raise seq_len to "
+                "train on them",
+                name,
+                draw.task.id,
+                prompt_tokens,
+                seq_len,
+            )
+        return False
 
     def suffixes(self, source: TrainSource) -> ChatSuffixes:
         """The chat template's suffixes for a multi-turn source's rollouts, with its tools rendered."""
@@ -180,6 +228,8 @@ class Orchestrator:
         """A multi-turn group: `group_size` episodes, each generated turn by turn from its exact ids
         (`orchestrator.episodes`). A group with a timed-out or failed episode is dropped, never trained."""
         source, task = draw.source, draw.task
+        if not self._prompt_fits(draw, len(self.suffixes(source).prompt_ids(task.messages()))):
+            return None
         sampling = source.config.sampling
         base_seed = self.config.seed + draw.index
 
@@ -266,16 +316,40 @@ class Orchestrator:
         if self.config.filter_zero_advantage and max(group.rewards) == min(group.rewards):
             self.stats.dropped["zero_advantage"] += 1
             self.equal_streak += 1
+            self.streak_rewards[group.rewards[0]] += 1
+            self._log_filtered(step, group)
             if self.equal_streak >= NO_SIGNAL_BATCHES * self.per_batch:
-                raise NoLearningSignal(
-                    f"batch {step}: the last {self.equal_streak} groups each scored the same for every rollout "
-                    f"(last reward {group.rewards[0]:g}) and were filtered out: the policy has collapsed to one "
-                    "answer or the reward never varies on these tasks. Check the samples (rollouts.jsonl), lower "
-                    "the learning rate, or set orchestrator.filter_zero_advantage = false to train on them anyway"
-                )
+                raise self._no_signal(step)
             return False
         self.equal_streak = 0
+        self.streak_rewards.clear()
+        self.kept_any = True
         return True
+
+    def _no_signal(self, step: int) -> NoLearningSignal:
+        """What a streak of groups without signal means: at the run's first batch, a task or reward that does
+        not fit the starting model; later, a policy that collapsed."""
+        rewards = ", ".join(f"{reward:g} ({n})" for reward, n in self.streak_rewards.most_common(4))
+        seen = (
+            f"batch {step}: the last {self.equal_streak} groups each scored the same for every rollout (reward "
+            f"(groups): {rewards}) and were filtered out"
+        )
+        samples = (
+            f'see the filtered samples in {self.run_dir / ROLLOUTS_FILE} ("filtered": true)'
+            if self._rollouts_out is not None
+            else "set orchestrator.log_samples to see samples"
+        )
+        if step == 1 and not self.kept_any:
+            return NoLearningSignal(
+                f"{seen}: no group has had a learning signal yet, so the tasks are too hard for the starting model "
+                "(every reward 0), too easy (every reward full), or the reward function scores every answer alike; "
+                f"{samples}, try the environment with `tandem eval`, or set orchestrator.filter_zero_advantage = "
+                "false to train on them anyway"
+            )
+        return NoLearningSignal(
+            f"{seen}: the policy has collapsed to one answer or the reward never varies on these tasks; {samples}, "
+            "lower the learning rate, or set orchestrator.filter_zero_advantage = false to train on them anyway"
+        )
 
     async def _collect(self, step: int) -> list[Group]:
         groups: list[Group] = []
@@ -409,35 +483,47 @@ class Orchestrator:
 
     # -- online evals -----------------------------------------------------------------------------
 
-    def _rollout_record(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
-        """One trained rollout as text, for reading what RL generated (`rollouts.jsonl`)."""
-        group: Group = record["group"]
-        completion = group.completions[record["member"]]
+    def _rollout_record(
+        self, step: int, group: Group, member: int, advantage: float, filtered: bool = False
+    ) -> dict[str, Any]:
+        """One rollout as text, for reading what RL generated (`rollouts.jsonl`); `filtered`: its group was
+        dropped for equal rewards, never trained."""
+        completion = group.completions[member]
         return {
             "step": step,
-            "source": record["source"],
+            "source": group.source.name,
             "task_id": group.draw.task.id,
             "prompt": self.tokenizer.decode(group.prompt_ids),
-            "completion": (group.conversations or group.texts)[record["member"]],
-            "reward": record["reward"],
-            "advantage": record["advantage"],
+            "completion": (group.conversations or group.texts)[member],
+            "reward": group.rewards[member],
+            "advantage": advantage,
             "outcome": "truncated" if completion.finish_reason == "length" else "ok",
             "version": min(completion.versions, default=None),
-            "metrics": group.metrics[record["member"]],
+            "metrics": group.metrics[member],
+            "filtered": filtered,
         }
 
     def _log_samples(self, step: int, records: list[dict[str, Any]]) -> None:
         """`log_samples` of the batch's rollouts, spread evenly over its groups."""
         count = min(self.config.log_samples, len(records))
         for k in range(count):
-            self._rollouts_out.write(self._rollout_record(step, records[k * len(records) // count]))
+            record = records[k * len(records) // count]
+            self._rollouts_out.write(self._rollout_record(step, record["group"], record["member"], record["advantage"]))
+
+    def _log_filtered(self, step: int, group: Group) -> None:
+        """A rollout of each of the first `log_samples` groups filtered out of batch `step`, written as it is
+        filtered: a run that stops for lack of signal has shown what it sampled."""
+        if self._rollouts_out is None or self.stats.filtered_logged >= self.config.log_samples:
+            return
+        self.stats.filtered_logged += 1
+        self._rollouts_out.write(self._rollout_record(step, group, 0, 0.0, filtered=True))
 
     async def _online_eval(self, step: int) -> None:
         """Evaluate the policy being served, beside the training rollouts; one `kind = "eval"` record."""
         version, started = self.pool.version, time.monotonic()
         out_dir = self.run_dir / "evals" / f"step-{step:06d}"
-        inference = self.config.inference
-        metrics = await run_online_eval(self.config.eval, inference.base_urls[0], inference.admin_token, out_dir)
+        base_url = self.config.inference.base_urls[0]
+        metrics = await run_online_eval(self.config.eval, base_url, self.pool.admin_token, out_dir)
         self._metrics_out.write(
             {
                 "step": step,
@@ -568,6 +654,7 @@ def run(config: OrchestratorConfig) -> int:
     """The `tandem orchestrator` runner."""
     from transformers import AutoTokenizer
 
+    check_sources(config)
     prepare_run_dir(config, "orchestrator")
     start_sandbox(config.sandbox, config.run_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tandem.client import OpenAIClient, RequestError
 from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig, RolloutSamplingConfig
+from tandem.net import admin_token
 from tandem.wire.kept_ids import count_kept_ids, decode_kept_ids
 from tandem.wire.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
 
@@ -40,9 +41,9 @@ class Completion:
 class InferencePool:
     def __init__(self, config: InferencePoolConfig):
         self.config = config
+        self.admin_token = admin_token(config.admin_token)
         self.clients = [
-            OpenAIClient(url, api_key=config.admin_token, timeout_s=config.request_timeout_s)
-            for url in config.base_urls
+            OpenAIClient(url, api_key=self.admin_token, timeout_s=config.request_timeout_s) for url in config.base_urls
         ]
         self.in_flight = [0] * len(self.clients)
         self.requests = [0] * len(self.clients)  # rollout requests sent to each server

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config import ConfigError
-from tandem.config.orchestrator import TrainSourceConfig
-from tandem.envs import Task, Taskset, apply_select, load_env
+from tandem.config.orchestrator import OrchestratorConfig, TrainSourceConfig
+from tandem.envs import Task, Taskset, apply_select, check_env, load_env, resolve_taskset, source_errors
+from tandem.envs.sandbox import start_sandbox
+from tandem.envs.tool_env import ToolTaskset
 
 
 @dataclass
@@ -43,22 +45,53 @@ class TrainSource:
         return task
 
 
-def require_sources(configs: list[TrainSourceConfig]) -> None:
-    """ConfigError for a run with nothing to train on; `tandem rl` checks it before it starts any process."""
+def _require_sources(configs: list[TrainSourceConfig]) -> None:
     if not configs:
         raise ConfigError("no training sources: add an [[orchestrator.source]] block with the env id")
 
 
+def _name(configs: list[TrainSourceConfig], index: int) -> str:
+    return f"{configs[index].id}#{index}" if len(configs) > 1 else configs[index].id
+
+
+def check_sources(config: OrchestratorConfig) -> None:
+    """ConfigError, one line naming the source (with a did-you-mean for a mistyped id), unless there is something
+    to train on and every training and online eval source resolves (`check_env`) and can build its tools:
+    `tandem rl` and `tandem orchestrator` check it before they start anything, `--dry-run` included."""
+    _require_sources(config.source)
+    named = [(_name(config.source, index), source) for index, source in enumerate(config.source)]
+    every = [*named, *((source.name, source) for source in config.eval.source)]
+    for name, source in every:
+        with source_errors(name):
+            check_env(source)
+    _check_tools(config, every)
+
+
+def _check_tools(config: OrchestratorConfig, sources: list[tuple[str, Any]]) -> None:
+    """Build the tools of every tool source under the run's sandbox settings, so a tool that cannot run here (the
+    `python` tool on a host without isolation and no opt-out: `SandboxUnavailable`, one line) stops the command
+    before anything starts, not after the model has loaded. Only tool tasksets are built, and nothing is run."""
+    tool_sources = [(name, source) for name, source in sources if issubclass(resolve_taskset(source.id), ToolTaskset)]
+    if not tool_sources:
+        return
+    start_sandbox(config.sandbox)
+    for name, source in tool_sources:
+        with source_errors(name):
+            load_env(source)
+
+
 def load_sources(configs: list[TrainSourceConfig]) -> list[TrainSource]:
-    require_sources(configs)
+    _require_sources(configs)
     sources = []
     for index, config in enumerate(configs):
-        taskset = load_env(config)
-        selected = apply_select(taskset, config.select)
-        tasks = selected if isinstance(selected, list) else None
-        if tasks is not None and not tasks:
-            raise ValueError(f"source {index} ({config.id}) selects no tasks")
-        sources.append(TrainSource(f"{config.id}#{index}" if len(configs) > 1 else config.id, config, taskset, tasks))
+        name = _name(configs, index)
+        with source_errors(name):
+            taskset = load_env(config)
+            selected = apply_select(taskset, config.select)
+            tasks = selected if isinstance(selected, list) else None
+            if tasks is not None and not tasks:
+                raise ValueError("its select picks no tasks")
+        sources.append(TrainSource(name, config, taskset, tasks))
     return sources
 
 

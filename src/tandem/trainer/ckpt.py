@@ -163,7 +163,9 @@ def _read_manifest(path: Path) -> dict[str, dict[str, int]]:
         files = json.loads(manifest.read_bytes())["files"]
         return {str(name): {"bytes": int(e["bytes"]), "crc32": int(e["crc32"])} for name, e in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(f"checkpoint manifest {manifest} is unreadable ({type(error).__name__}: {error})") from None
+        raise CheckpointError(
+            f"checkpoint manifest {manifest} is unreadable ({type(error).__name__}: {error})"
+        ) from None
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -468,15 +470,22 @@ def _read_state(file: Path) -> dict[str, Any]:
     return state
 
 
-def resolve_resume(root: Path, step: int | None) -> tuple[int, Path]:
+def resolve_resume(root: Path, step: int | None, *, interval: tuple[str, int]) -> tuple[int, Path]:
     """(step, directory) of the checkpoint to resume from, verified: the given step's, or the newest intact one.
 
     Collective when distributed (see `verify_checkpoint`). A damaged newest checkpoint is logged, naming the
-    file, and the one before it tried; a damaged checkpoint asked for by step is an error.
+    file, and the one before it tried; a damaged checkpoint asked for by step is an error. `interval` is the
+    setting that spaces the checkpoints and its value, which the error for a run with none names.
     """
     found = list_checkpoints(root)
     if not found:
-        raise CheckpointError(f"nothing to resume: no complete checkpoint under {root}")
+        setting, every = interval
+        written = f"every {every} steps" if every else "only at the end (0)"
+        raise CheckpointError(
+            f"nothing to resume: no complete checkpoint under {root}; with `{setting}` = {every} one is written "
+            f"{written}, and the run stopped before its first: start it over (--overwrite), with a lower "
+            f"`{setting}` to resume sooner"
+        )
     if step is not None:
         if step not in found:
             raise CheckpointError(f"no checkpoint for step {step} under {root}; found steps {sorted(found)}")
@@ -505,7 +514,7 @@ def resume_step(config, model: torch.nn.Module, optimizer, scheduler) -> int:
     _barrier()
     if not config.resume.enabled:
         return 0
-    step, path = resolve_resume(root, config.resume.step)
+    step, path = resolve_resume(root, config.resume.step, interval=("ckpt.interval", config.ckpt.interval))
     if _rank() == 0:
         _discard_after(root, step)
     _barrier()
