@@ -146,8 +146,6 @@ class SandboxConfig(Section):
     """The sandbox of the built-in `python` tool (`tandem.envs.sandbox`), for every run in this process."""
 
     unsafe_no_isolation: bool = False
-    """Run model-written code without a sandbox where neither bubblewrap nor Linux namespaces are available
-    (logged as a warning). The code can then read, write and reach whatever this process can: only for code you
-    trust. Otherwise such a machine refuses to start a run whose environment has the `python` tool."""
+    """Run model-written code without a sandbox where neither bubblewrap nor Linux namespaces are available (logged as a warning): the code can then read, write and reach whatever this process can, so only for code you trust. Otherwise such a machine refuses to start a run whose environment has the `python` tool."""
     max_concurrent: int | None = Field(None, ge=1)
     """Sandboxed runs at once in this process; more calls wait their turn (unset: min(CPU count, 8))."""
