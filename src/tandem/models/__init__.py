@@ -4,7 +4,7 @@ Imports nothing else from tandem. See docs/models.md.
 """
 
 from .architecture import Architecture, HFLayout
-from .build import RUNTIME_OPTIONS, build_model, load_model, model_args
+from .build import build_model, load_model, model_args
 from .checkpoint import (
     ModelWeightsError,
     OutsideDirectoryError,
@@ -22,12 +22,12 @@ from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache, StateBatch, S
 from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
 from .nll_sum import fused_nll_sum
 from .registry import ARCHITECTURES, get_architecture
+from .runtime import ModelRuntime
 
 __all__ = [
     "ARCHITECTURES",
     "IGNORE_INDEX",
     "MOE_BACKENDS",
-    "RUNTIME_OPTIONS",
     "Architecture",
     "AttnInputs",
     "CacheBatch",
@@ -38,6 +38,7 @@ __all__ = [
     "MoEArgs",
     "ModelArgs",
     "ModelConfigError",
+    "ModelRuntime",
     "ModelWeightsError",
     "OutsideDirectoryError",
     "RopeArgs",

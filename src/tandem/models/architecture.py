@@ -10,6 +10,7 @@ from torch import nn
 
 from .config import ModelArgs
 from .decoder import CausalLM
+from .runtime import ModelRuntime
 
 
 @dataclass(frozen=True)
@@ -44,5 +45,5 @@ class HFLayout:
 class Architecture:
     hf_name: str  # `architectures[0]` in config.json
     parse: Callable[[Mapping[str, Any]], ModelArgs]
-    model_cls: Callable[[ModelArgs], nn.Module] = CausalLM
+    model_cls: Callable[[ModelArgs, ModelRuntime], nn.Module] = CausalLM
     layout: HFLayout = field(default_factory=HFLayout)

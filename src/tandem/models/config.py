@@ -1,8 +1,8 @@
 """ModelArgs: the architecture-independent description of a decoder, parsed from a HF `config.json`.
 
 Family files (`qwen3.py`, `llama.py`, ...) call `parse_decoder_args` with what is specific to them; everything
-else reads the same keys for every Llama-style model. Runtime choices that HF configs do not have (attention and
-MoE backends, router freezing) live here too, with defaults, so the trainer and inference configure one object.
+else reads the same keys for every Llama-style model. ModelArgs holds only what the checkpoint's config says; how a
+run computes (kernels, router freezing) is `runtime.ModelRuntime`, given to `build_model` beside it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -222,22 +221,10 @@ class ModelArgs:
     """A vision-language checkpoint's HF `vision_config` (Qwen3-VL): the model builds its vision tower from it."""
     image_token_id: int | None = None  # the placeholder token an image's embeddings replace (vision-language)
     initializer_range: float = 0.02
-    dtype: torch.dtype = torch.float32
-    # Runtime choices (not part of the HF config).
-    attn_backend: str = "auto"
-    moe_backend: str | tuple[str, ...] = "grouped_mm"
-    freeze_router: bool = False
-    moe_balanced_routing: bool = False  # benchmarks: round-robin experts, every expert gets the same tokens
-    rope_backend: str = "torch"  # a name in layers.rope.ROPE_BACKENDS
-    swiglu_backend: str = "torch"  # a name in layers.mlp.SWIGLU_BACKENDS (dense MLPs)
-    index_backend: str = "torch"  # a name in layers.indexer.INDEX_BACKENDS (DeepSeek-V3.2's indexer scores)
-    delta_scan_backend: str = "torch"  # a name in layers.gated_deltanet.SCAN_BACKENDS (Gated DeltaNet's chunk scan)
-    ssd_backend: str = "torch"  # a name in layers.mamba2.SSD_BACKENDS (Mamba-2's within-chunk part)
+    dtype: torch.dtype = torch.float32  # the checkpoint's (`dtype` / `torch_dtype`): what a load defaults to
     hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.attn_backend not in ATTENTION_BACKENDS:
-            raise ModelConfigError(f"attn_backend {self.attn_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -255,10 +242,6 @@ class ModelArgs:
             raise ModelConfigError("mamba, mlp and moe layers are one-mixer blocks (block='mixer')")
         if "moe" in self.layer_types and self.moe is None:
             raise ModelConfigError("moe layers need MoEArgs")
-        if isinstance(self.moe_backend, tuple) and len(self.moe_backend) != self.num_layers:
-            raise ModelConfigError(
-                f"moe_backend has {len(self.moe_backend)} entries, expected one per layer ({self.num_layers})"
-            )
 
     @property
     def rotary_dim(self) -> int:
@@ -306,13 +289,8 @@ class ModelArgs:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
 
-    def moe_backend_for(self, layer: int) -> str:
-        return self.moe_backend[layer] if isinstance(self.moe_backend, tuple) else self.moe_backend
-
     def replace(self, **changes: Any) -> ModelArgs:
-        """A copy with runtime options (or anything else) changed; lists become tuples."""
-        if isinstance(changes.get("moe_backend"), list):
-            changes["moe_backend"] = tuple(changes["moe_backend"])
+        """A copy with `changes` (what a family's parser sets after `parse_decoder_args`)."""
         return dataclasses.replace(self, **changes)
 
 

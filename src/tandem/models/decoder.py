@@ -45,19 +45,20 @@ from .layers.state_cache import StateBatch, StateCache
 from .layers.vision import Qwen3VisionEncoder, VisionArgs
 from .logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from .nll_sum import fused_nll_sum
+from .runtime import ModelRuntime
 
 
-def _attention(args: ModelArgs, layer_idx: int) -> nn.Module:
+def _attention(args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> nn.Module:
     if args.indexer is not None:
-        return SparseMLAttention(args, layer_idx)
-    return MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
+        return SparseMLAttention(args, layer_idx, runtime)
+    return MLAttention(args, layer_idx, runtime) if args.mla is not None else Attention(args, layer_idx, runtime)
 
 
-def _mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
+def _mlp(args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> nn.Module:
     return MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.mlp_activation)
 
 
-def _moe(args: ModelArgs, layer_idx: int) -> MoE:
+def _moe(args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> MoE:
     moe = args.moe
     assert moe is not None
     return MoE(
@@ -66,11 +67,11 @@ def _moe(args: ModelArgs, layer_idx: int) -> MoE:
         moe.num_experts,
         moe.top_k,
         moe.norm_topk_prob,
-        backend=args.moe_backend_for(layer_idx),
-        freeze_router=args.freeze_router,
-        balanced_routing=args.moe_balanced_routing,
+        backend=runtime.moe_backend_for(layer_idx),
+        freeze_router=runtime.freeze_router,
+        balanced_routing=runtime.moe_balanced_routing,
         shared_intermediate_size=moe.shared_intermediate_size,
-        shared_activation=args.swiglu_backend,
+        shared_activation=runtime.swiglu_backend,
         shared_expert_gate=moe.shared_expert_gate,
         expert_activation=moe.expert_activation,
         scoring=moe.scoring,
@@ -81,34 +82,34 @@ def _moe(args: ModelArgs, layer_idx: int) -> MoE:
     )
 
 
-MIXERS: dict[str, tuple[str, Callable[[ModelArgs, int], nn.Module]]] = {
+MIXERS: dict[str, tuple[str, Callable[[ModelArgs, int, ModelRuntime], nn.Module]]] = {
     "full_attention": ("self_attn", _attention),
     "linear_attention": ("linear_attn", GatedDeltaNet),
     "mamba": ("mixer", Mamba2),
     "mlp": ("mixer", _mlp),
     "moe": ("mixer", _moe),
 }
-"""Layer kind -> (attribute and HF name of its token mixer in a `DecoderBlock`, constructor `(args, layer_idx)`).
+"""Layer kind -> (attribute and HF name of its token mixer in a `DecoderBlock`, constructor `(args, layer_idx, runtime)`).
 A `MixerBlock` keeps any kind under `mixer`."""
 
 
 class DecoderBlock(nn.Module):
     """Pre-norm token mixer (attention or linear attention) + MLP (dense or MoE). One FSDP / compile unit."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         centered = args.zero_centered_norm
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, centered)
         self.layer_type = args.layer_type(layer_idx)
         self.mixer_name, make_mixer = MIXERS[self.layer_type]
-        self.add_module(self.mixer_name, make_mixer(args, layer_idx))
+        self.add_module(self.mixer_name, make_mixer(args, layer_idx, runtime))
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, centered)
         self.mlp: nn.Module
         if args.moe is not None and args.is_moe_layer(layer_idx):
-            self.mlp = _moe(args, layer_idx)
+            self.mlp = _moe(args, layer_idx, runtime)
         else:
             self.mlp = GatedMLP(
-                args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.swiglu_backend
+                args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=runtime.swiglu_backend
             )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
@@ -125,18 +126,18 @@ class MixerBlock(nn.Module):
     """Nemotron-H's block: `x + mixer(norm(x))` with one mixer of any kind (attention, Mamba-2, MLP, MoE) under `mixer`.
     One FSDP / compile unit."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fp32_scale=args.norm_fp32_scale)
         self.layer_type = args.layer_type(layer_idx)
         self.mixer_name = "mixer"
-        self.mixer = MIXERS[self.layer_type][1](args, layer_idx)
+        self.mixer = MIXERS[self.layer_type][1](args, layer_idx, runtime)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
         return x + self.mixer(self.norm(x), cos, sin, attn)
 
 
-BLOCKS: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"decoder": DecoderBlock, "mixer": MixerBlock}
+BLOCKS: dict[str, Callable[[ModelArgs, int, ModelRuntime], nn.Module]] = {"decoder": DecoderBlock, "mixer": MixerBlock}
 
 
 VISION_TOWERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
@@ -177,13 +178,14 @@ class VisualFeatures:
 
 class CausalLM(nn.Module):
     """Embedding, decoder blocks (`layers[i]`), final norm, LM head (absent when tied to the embedding), and for a
-    vision-language model its vision tower (`visual`)."""
+    vision-language model its vision tower (`visual`). `args` is the checkpoint's config, `runtime` the run's
+    kernel choices."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, runtime: ModelRuntime | None = None) -> None:
         super().__init__()
-        self.args = args
+        self.args, self.runtime = args, runtime or ModelRuntime()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(BLOCKS[args.block](args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(BLOCKS[args.block](args, i, self.runtime) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centered_norm, args.norm_fp32_scale)
         self.rotary = RotaryEmbedding(args.rope, args.rotary_dim)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -305,7 +307,7 @@ class CausalLM(nn.Module):
         batch, seq = input_ids.shape
         args = self.args
         attn = attention_inputs(
-            args.attn_backend, input_ids.device, position_ids, attention_mask, args.attention_head_dims
+            self.runtime.attn_backend, input_ids.device, position_ids, attention_mask, args.attention_head_dims
         )
         visual = None
         if images is not None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..runtime import ModelRuntime
 from .kv_cache import CacheBatch, KVCache
 from .norm import RMSNorm
 from .rope import ROPE_BACKENDS, check_rope_backend, rotate_leading
@@ -181,10 +182,10 @@ class Attention(nn.Module):
     same size (HF's `q_proj` layout); the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
     """
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
-        check_rope_backend(args.rope_backend)
-        self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, args.rope_backend
+        check_rope_backend(runtime.rope_backend)
+        self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, runtime.rope_backend
         self.gated, self.rope_free = args.attn_output_gate, args.rope_free
         self.sizes = (
             args.num_heads * args.head_dim * (2 if self.gated else 1),

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..runtime import ModelRuntime
 from .attention import AttnInputs, attend_cached, sdpa
 from .kv_cache import CacheBatch, KVCache
 from .mla import MLAttention
@@ -125,10 +126,10 @@ def _allowed(attn: AttnInputs, batch: int, seq: int, device: torch.device) -> to
 class SparseMLAttention(MLAttention):
     """MLA whose every query attends only to the keys its `indexer` selects (module docstring)."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
-        super().__init__(args, layer_idx)
-        check_index_backend(args.index_backend)
-        self.index_backend = args.index_backend
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
+        super().__init__(args, layer_idx, runtime)
+        check_index_backend(runtime.index_backend)
+        self.index_backend = runtime.index_backend
         self.indexer = Indexer(args)
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..config import ModelArgs
+from ..runtime import ModelRuntime
 from .attention import AttnInputs, attend, attend_cached
 from .kv_cache import CacheBatch, KVCache
 from .norm import RMSNorm
@@ -29,13 +30,13 @@ LATENT_NORM_EPS = 1e-6  # HF builds `q_a_layernorm` and `kv_a_layernorm` with th
 class MLAttention(nn.Module):
     """MLA with HF's parameter names; `cos`/`sin` cover the `qk_rope_head_dim` RoPE part only."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         if args.mla is None:
             raise ValueError("MLAttention needs ModelArgs.mla")
-        check_rope_backend(args.rope_backend)
+        check_rope_backend(runtime.rope_backend)
         mla = self.mla = args.mla
-        self.layer_idx, self.num_heads, self.rope_backend = layer_idx, args.num_heads, args.rope_backend
+        self.layer_idx, self.num_heads, self.rope_backend = layer_idx, args.num_heads, runtime.rope_backend
         self.scale = softmax_scale(args.rope, mla.qk_head_dim)
         hidden, q_size = args.hidden_size, args.num_heads * mla.qk_head_dim
         self.q_proj = nn.Linear(hidden, q_size, bias=False) if mla.q_lora_rank is None else None
