@@ -3,7 +3,7 @@
 Imports nothing else from tandem. See docs/models.md.
 """
 
-from .architecture import Architecture, HFLayout
+from .architecture import Architecture
 from .build import build_model, load_model, model_args
 from .checkpoint import (
     ModelWeightsError,
@@ -14,10 +14,10 @@ from .checkpoint import (
     open_safetensors,
     resolve_inside,
     save_model,
-    weight_map,
 )
 from .config import ModelArgs, ModelConfigError, MoEArgs, RopeArgs, read_hf_config
-from .decoder import CausalLM, DecoderBlock
+from .decoder import CausalLM, DecoderBlock, weight_map
+from .hf_layout import Fused, HFLayout
 from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache, StateBatch, StateCache
 from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
 from .nll_sum import fused_nll_sum
@@ -33,6 +33,7 @@ __all__ = [
     "CacheBatch",
     "CausalLM",
     "DecoderBlock",
+    "Fused",
     "HFLayout",
     "KVCache",
     "MoEArgs",

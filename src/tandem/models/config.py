@@ -119,8 +119,15 @@ class IndexerArgs:
     topk: int
 
 
-LAYER_TYPES = ("full_attention", "linear_attention", "mamba", "mlp", "moe")
-STATEFUL_LAYER_TYPES = ("linear_attention", "mamba")  # layers that keep a recurrent state (`StateCache`)
+LAYER_CACHES: dict[str, str | None] = {
+    "full_attention": "kv",
+    "linear_attention": "state",
+    "mamba": "state",
+    "mlp": None,
+    "moe": None,
+}
+"""The layer kinds a config may name (`ModelArgs.layer_types`; each is a row of `decoder.LAYER_KINDS`) and what each
+keeps between cached steps: K/V in the paged `KVCache`, a recurrent `StateCache` entry, or nothing."""
 BLOCK_STYLES = ("decoder", "mixer")
 
 
@@ -208,7 +215,7 @@ class ModelArgs:
     mla: MLAArgs | None = None  # multi-head latent attention instead of GQA (then num_kv_heads == num_heads)
     indexer: IndexerArgs | None = None  # DeepSeek-V3.2: MLA restricted to the indexer's top-k keys per query
     mtp_layers: int = 0  # multi-token-prediction layers checkpoints store after the decoder; never run or loaded
-    layer_types: tuple[str, ...] = ()  # token mixer per layer (LAYER_TYPES); empty: all full_attention
+    layer_types: tuple[str, ...] = ()  # token mixer per layer (LAYER_CACHES); empty: all full_attention
     linear: LinearAttnArgs | None = None  # the linear_attention layers' shape (Gated DeltaNet)
     mamba: MambaArgs | None = None  # the mamba layers' shape (Mamba-2, Nemotron-H)
     block: str = "decoder"  # BLOCK_STYLES: norm + mixer + norm + MLP, or norm + one mixer (Nemotron-H)
@@ -229,9 +236,11 @@ class ModelArgs:
             raise ModelConfigError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ModelConfigError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
-        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        unknown = set(self.layer_types) - set(LAYER_CACHES)
         if unknown:
-            raise ModelConfigError(f"layer types {sorted(unknown)} are not supported (supported: {LAYER_TYPES})")
+            raise ModelConfigError(
+                f"layer types {sorted(unknown)} are not supported (supported: {tuple(LAYER_CACHES)})"
+            )
         if "linear_attention" in self.layer_types and self.linear is None:
             raise ModelConfigError("linear_attention layers need LinearAttnArgs")
         if "mamba" in self.layer_types and self.mamba is None:
@@ -278,13 +287,13 @@ class ModelArgs:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep K/V in the paged cache: the `full_attention` ones."""
-        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")
+        """The layers that keep K/V in the paged cache (`LAYER_CACHES`: the `full_attention` ones)."""
+        return tuple(i for i in range(self.num_layers) if LAYER_CACHES[self.layer_type(i)] == "kv")
 
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state (`layers.state_cache.StateCache`) instead of K/V."""
-        return any(t in STATEFUL_LAYER_TYPES for t in self.layer_types)
+        return any(LAYER_CACHES[t] == "state" for t in self.layer_types)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers

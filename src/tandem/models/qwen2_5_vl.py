@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .architecture import Architecture, HFLayout
+from .architecture import Architecture
 from .config import ModelArgs, ModelConfigError, parse_decoder_args
+from .hf_layout import HFLayout
 
 LAYOUT = HFLayout(
     load_renames=(("model.language_model.", "model."), ("visual.", "model.visual.")),

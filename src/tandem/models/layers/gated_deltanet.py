@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..hf_layout import Fused, HFLayout, WeightMap, same_names
 from ..runtime import ModelRuntime
 from .norm import GatedRMSNorm
 from .state_cache import read_slots, write_slots
@@ -258,6 +259,20 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(la.num_v_heads))
         self.norm = GatedRMSNorm(la.v_head_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, args.hidden_size, bias=False)
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """HF's names and layouts; Qwen3.5's separate input projections (`LinearAttnArgs.flat_projections`) are
+        concatenated into `in_proj_qkvz` (`in_proj_qkv`, `in_proj_z`) and `in_proj_ba` (`in_proj_b`, `in_proj_a`)."""
+        la = args.linear
+        assert la is not None
+        out = same_names("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+        if not la.flat_projections:
+            return out | same_names("in_proj_qkvz.weight", "in_proj_ba.weight")
+        qkvz = tuple(f"in_proj_{p}.weight" for p in ("qkv", "z"))
+        out["in_proj_qkvz.weight"] = Fused((qkvz,), (la.conv_dim, la.num_v_heads * la.v_head_dim))
+        out["in_proj_ba.weight"] = Fused((tuple(f"in_proj_{p}.weight" for p in "ba"),), (la.num_v_heads,) * 2)
+        return out
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """transformers' init for the decay parameters: `dt_bias` ones, `A_log = log(U(0.01, 16))`."""

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..hf_layout import HFLayout, WeightMap, same_names
 from ..runtime import ModelRuntime
 from .gated_deltanet import causal_conv, next_conv_state
 from .norm import GroupedGatedRMSNorm
@@ -222,6 +223,16 @@ class Mamba2(nn.Module):
         self.D = nn.Parameter(torch.ones(m.num_heads))
         self.norm = GroupedGatedRMSNorm(self.inner, m.n_groups, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.inner, args.hidden_size, bias=m.proj_bias)
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """HF's names and layouts, unchanged."""
+        m = args.mamba
+        assert m is not None
+        names = ["in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"]
+        names += ["conv1d.bias"] if m.conv_bias else []
+        names += ["in_proj.bias", "out_proj.bias"] if m.proj_bias else []
+        return same_names(*names)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """transformers' init: `A_log = log(1..H)`, `D` ones, `dt_bias` the inverse softplus of a log-uniform dt in
