@@ -226,6 +226,7 @@ class ModelArgs:
     zero_centered_norm: bool = False  # Qwen3-Next: RMSNorms scale by (1 + weight), weights initialised to 0
     vision_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
     """A vision-language checkpoint's HF `vision_config` (Qwen3-VL): the model builds its vision tower from it."""
+    vision_tower: str | None = None  # which tower reads `vision_config` (`decoder.VISION_TOWERS`), set by the family
     image_token_id: int | None = None  # the placeholder token an image's embeddings replace (vision-language)
     initializer_range: float = 0.02
     dtype: torch.dtype = torch.float32  # the checkpoint's (`dtype` / `torch_dtype`): what a load defaults to
@@ -249,6 +250,8 @@ class ModelArgs:
             raise ModelConfigError(f"block {self.block!r} is not one of {BLOCK_STYLES}")
         if self.block == "decoder" and {"mamba", "mlp", "moe"} & set(self.layer_types):
             raise ModelConfigError("mamba, mlp and moe layers are one-mixer blocks (block='mixer')")
+        if (self.vision_config is None) != (self.vision_tower is None):
+            raise ModelConfigError("a vision tower needs both vision_config and vision_tower")
         if "moe" in self.layer_types and self.moe is None:
             raise ModelConfigError("moe layers need MoEArgs")
 

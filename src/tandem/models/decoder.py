@@ -158,16 +158,15 @@ BLOCKS: dict[str, type[DecoderBlock] | type[MixerBlock]] = {"decoder": DecoderBl
 
 
 VISION_TOWERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
-    "Qwen3VLForConditionalGeneration": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
-    "Qwen3VLMoeForConditionalGeneration": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
-    "Qwen2_5_VLForConditionalGeneration": lambda config: Qwen2_5VisionEncoder(Qwen2_5VisionArgs.from_hf(config)),
+    "qwen3_vl": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
+    "qwen2_5_vl": lambda config: Qwen2_5VisionEncoder(Qwen2_5VisionArgs.from_hf(config)),
 }
-"""Vision-language architecture -> its vision tower, built from the HF `vision_config`."""
+"""`ModelArgs.vision_tower` -> the vision tower, built from the HF `vision_config`."""
 
 
 def vision_tower(args: ModelArgs) -> nn.Module | None:
-    """The vision tower of a vision-language model (`args.vision_config`); None for a text model."""
-    return None if args.vision_config is None else VISION_TOWERS[args.architecture](dict(args.vision_config))
+    """The vision tower of a vision-language model (`args.vision_tower`); None for a text model."""
+    return None if args.vision_tower is None else VISION_TOWERS[args.vision_tower](dict(args.vision_config or {}))
 
 
 def weight_map(args: ModelArgs, layout: HFLayout) -> WeightMap:

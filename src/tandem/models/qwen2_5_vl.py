@@ -44,7 +44,10 @@ def parse(config: Mapping[str, Any]) -> ModelArgs:
     decoder.pop("rope_scaling", None)
     args = parse_decoder_args(decoder, qk_norm=False, attention_bias=True, attention_out_bias=False)
     return args.replace(
-        vision_config=dict(vision), image_token_id=config.get("image_token_id", 151655), hf_config=dict(config)
+        vision_config=dict(vision),
+        vision_tower="qwen2_5_vl",
+        image_token_id=config.get("image_token_id", 151655),
+        hf_config=dict(config),
     )
 
 

@@ -43,7 +43,10 @@ def _parser(decoder_parse: Callable[[Mapping[str, Any]], ModelArgs], **text_defa
         decoder = {**text, **text_defaults, "architectures": config["architectures"], "tie_word_embeddings": tied,
                    "rope_parameters": rope}  # fmt: skip
         return decoder_parse(decoder).replace(
-            vision_config=dict(vision), image_token_id=config.get("image_token_id", 151655), hf_config=dict(config)
+            vision_config=dict(vision),
+            vision_tower="qwen3_vl",
+            image_token_id=config.get("image_token_id", 151655),
+            hf_config=dict(config),
         )
 
     return parse
