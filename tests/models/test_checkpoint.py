@@ -167,6 +167,8 @@ def test_config_errors_name_the_problem(tmp_path):
         ModelRuntime(attn_backend="eager")
     with pytest.raises(ModelConfigError, match=r"moe_backend has 1 entries, expected one per layer \(2\)"):
         build_model(tiny_config("qwen3_moe"), runtime=ModelRuntime(moe_backend=["loop"]))
+    with pytest.raises(ModelConfigError, match="needs both vision_config and vision_tower"):
+        model_args(tiny_config("qwen3")).replace(vision_tower="qwen3_vl")
 
 
 def test_model_args_are_the_checkpoint_config_and_runtime_apart(tmp_path):
