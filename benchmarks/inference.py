@@ -62,7 +62,7 @@ from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.kv_budget import state_bytes
 from tandem.inference.main import recurrent_kernels
 from tandem.inference.outputs import RequestUpdate
-from tandem.models import build_model
+from tandem.models import ModelRuntime, build_model
 from tandem.models.layers.moe import Experts
 from tandem.wire.protocol import SamplingParams
 
@@ -212,7 +212,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, bandw
 
     def built(recurrent: str = "auto") -> torch.nn.Module:  # the hybrids' layers as `inference.recurrent_kernels`
         options = recurrent_kernels(recurrent, device)
-        return build_model(shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0, **options)
+        return build_model(
+            shape.hf_config(), dtype=torch.bfloat16, device=device, seed=0, runtime=ModelRuntime(**options)
+        )
 
     model = built()
     context = args.prompt_len + args.gen_len

@@ -72,11 +72,13 @@ def test_compiled_fullgraph_matches_eager_torch(dtype):
 
 def test_model_with_triton_rope_matches_torch_rope(tiny_model_dir):
     """`rope_backend="triton"` (registered by its user, as the trainer does) gives the same logits bit for bit."""
-    from tandem.models import load_model
+    from tandem.models import ModelRuntime, load_model
     from tandem.models.layers.rope import ROPE_BACKENDS
 
     ROPE_BACKENDS.setdefault("triton", apply_rope_triton)
     path = tiny_model_dir("qwen3")
     ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    logits = [load_model(path, device=DEVICE, rope_backend=name)(ids) for name in ("torch", "triton")]
+    logits = [
+        load_model(path, device=DEVICE, runtime=ModelRuntime(rope_backend=name))(ids) for name in ("torch", "triton")
+    ]
     assert torch.equal(*logits)

@@ -62,14 +62,14 @@ def test_compiled_fullgraph_matches_eager(dtype):
 
 def test_model_with_triton_swiglu_matches_torch(tiny_model_dir):
     """`swiglu_backend="triton"` (registered by its user, as the trainer does): same loss and gradients."""
-    from tandem.models import load_model
+    from tandem.models import ModelRuntime, load_model
 
     SWIGLU_BACKENDS.setdefault("triton", swiglu)
     path = tiny_model_dir("qwen3")
     ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     results = []
     for name in ("torch", "triton"):
-        model = load_model(path, device=DEVICE, swiglu_backend=name)
+        model = load_model(path, device=DEVICE, runtime=ModelRuntime(swiglu_backend=name))
         loss = model(ids).float().logsumexp(-1).mean()
         loss.backward()
         results.append((loss, {n: p.grad for n, p in model.named_parameters()}))

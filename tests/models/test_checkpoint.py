@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -12,12 +13,15 @@ from safetensors.torch import save_file
 
 from support.model_parity import disk_tensors, hf_load
 from tandem.models import (
+    ModelArgs,
     ModelConfigError,
+    ModelRuntime,
     ModelWeightsError,
     build_model,
     hf_tensors,
     load_model,
     load_weights,
+    model_args,
     save_model,
 )
 from tandem.testing import tiny_config, write_tiny_model
@@ -157,8 +161,27 @@ def test_config_errors_name_the_problem(tmp_path):
         build_model(tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     with pytest.raises(ModelConfigError, match="sliding-window"):
         build_model(tiny_config("qwen3", use_sliding_window=True))
-    with pytest.raises(TypeError, match="unknown runtime options"):
-        build_model(tiny_config("qwen3"), vocab_size=3)
+    with pytest.raises(TypeError, match="vocab_size"):  # the checkpoint's config is not a runtime choice
+        ModelRuntime(vocab_size=3)
+    with pytest.raises(ModelConfigError, match="attn_backend 'eager' is not one of"):
+        ModelRuntime(attn_backend="eager")
+    with pytest.raises(ModelConfigError, match=r"moe_backend has 1 entries, expected one per layer \(2\)"):
+        build_model(tiny_config("qwen3_moe"), runtime=ModelRuntime(moe_backend=["loop"]))
+    with pytest.raises(ModelConfigError, match="needs both vision_config and vision_tower"):
+        model_args(tiny_config("qwen3")).replace(vision_tower="qwen3_vl")
+
+
+def test_model_args_are_the_checkpoint_config_and_runtime_apart(tmp_path):
+    """A model loaded in another dtype with other kernels keeps the config's ModelArgs (dtype too); the run's
+    choices are `model.runtime`, and reach the modules."""
+    src = write_tiny_model(tmp_path / "src", "qwen3_moe")
+    runtime = ModelRuntime(attn_backend="sdpa", moe_backend=["loop", "grouped_mm"], freeze_router=True)
+    model = load_model(src, dtype=torch.bfloat16, runtime=runtime)
+    assert model.args == model_args(src) and model.args.dtype == torch.float32
+    assert model.runtime == runtime and runtime.moe_backend == ("loop", "grouped_mm")
+    assert [layer.mlp.backend for layer in model.layers] == ["loop", "grouped_mm"]
+    assert all(layer.mlp.freeze_router for layer in model.layers)
+    assert {f.name for f in dataclasses.fields(ModelArgs)}.isdisjoint(f.name for f in dataclasses.fields(ModelRuntime))
 
 
 VARIANTS = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.models import load_model
+from tandem.models import ModelRuntime, load_model
 from tandem.models.layers import attention_inputs
 
 
@@ -34,7 +34,7 @@ def _is_toolchain_error(exc: BaseException) -> bool:
 
 
 def test_moe_block_traces_fullgraph(model_dir):
-    model = load_model(model_dir("qwen3_moe"), dtype=torch.bfloat16, moe_backend="grouped_mm")
+    model = load_model(model_dir("qwen3_moe"), dtype=torch.bfloat16, runtime=ModelRuntime(moe_backend="grouped_mm"))
     expected = _fwd_bwd(model.layers[0], model)
     torch._dynamo.reset()
     traced = _fwd_bwd(torch.compile(model.layers[0], backend="aot_eager", fullgraph=True), model)

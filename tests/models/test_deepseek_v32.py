@@ -32,7 +32,7 @@ from support.model_parity import (
 )
 from support.tolerance import K_REFERENCE, K_REORDERED, assert_close_scaled, ulps_apart
 from tandem.inference.kv_budget import activation_bytes
-from tandem.models import KVCache, ModelConfigError, build_model, load_model, model_args, save_model
+from tandem.models import KVCache, ModelConfigError, ModelRuntime, build_model, load_model, model_args, save_model
 from tandem.models.layers import attention_inputs, indexer
 from tandem.models.layers.indexer import INDEX_BACKENDS, SparseMLAttention, index_scores, topk_selected
 
@@ -321,7 +321,9 @@ def test_model_with_triton_index_backend_matches_torch(v32_dir, triton_scores):
     ids, pos = (t[None].to(KERNEL_DEVICE) for t in packed([9, 11, 4], 256, seed=7))
     with torch.no_grad():
         want = load_model(v32_dir, device=KERNEL_DEVICE).eval()(ids, position_ids=pos)
-        got = load_model(v32_dir, device=KERNEL_DEVICE, index_backend="triton").eval()(ids, position_ids=pos)
+        got = load_model(v32_dir, device=KERNEL_DEVICE, runtime=ModelRuntime(index_backend="triton")).eval()(
+            ids, position_ids=pos
+        )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 

@@ -7,6 +7,8 @@ the decoder (`num_nextn_predict_layers`) are not loaded.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_prefill_then_decode_matches_full_forward(layout, variant_dir):
 def test_moe_backends_agree_in_values_and_gradients(variant_dir):
     path = variant_dir("qk-norm, biases")
     ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(4))
-    assert_backends_agree(lambda **runtime: load_model(path, **runtime), ids)
+    assert_backends_agree(functools.partial(load_model, path), ids)
 
 
 def test_unsupported_configs_are_named():

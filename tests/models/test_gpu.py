@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.models import KVCache, load_model, reference_token_logprobs, token_logprobs
+from tandem.models import KVCache, ModelRuntime, load_model, reference_token_logprobs, token_logprobs
 from tandem.models.layers import attention_inputs
 from tandem.models.layers import moe as moe_module
 from tandem.models.layers.moe import MoE
@@ -31,7 +31,7 @@ def test_flex_matches_sdpa_forward_and_backward(model_dir):
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         for backend in ("sdpa", "flex"):
-            model = load_model(path, dtype=dtype, device="cuda", attn_backend=backend)
+            model = load_model(path, dtype=dtype, device="cuda", runtime=ModelRuntime(attn_backend=backend))
             ids, pos = _packed(model.args.vocab_size)
             out = model(ids, position_ids=pos, targets=ids.roll(-1, 1))
             out.logprobs.sum().backward()
@@ -125,7 +125,9 @@ def test_chunked_logprobs_memory_and_values_on_cuda():
 
 
 def test_moe_block_with_flex_compiles_fullgraph_on_cuda(model_dir):
-    model = load_model(model_dir("qwen3_moe"), dtype=torch.bfloat16, device="cuda", attn_backend="flex")
+    model = load_model(
+        model_dir("qwen3_moe"), dtype=torch.bfloat16, device="cuda", runtime=ModelRuntime(attn_backend="flex")
+    )
     ids, pos = _packed(model.args.vocab_size)
     attn = attention_inputs("flex", ids.device, pos, None)
     x = model.embed_tokens(ids).detach()

@@ -15,7 +15,7 @@ import torch
 
 from support.model_parity import hf_load
 from support.tiny_models import INIT_STD
-from tandem.models import load_model, save_model
+from tandem.models import ModelRuntime, load_model, save_model
 from tandem.models.lora import (
     LoraArgs,
     LoraError,
@@ -43,7 +43,7 @@ def moe_dir(tiny_model_dir):
 
 
 def _adapted(path, args: LoraArgs = ARGS, seed: int = 1, backend: str = "grouped_mm"):
-    model = load_model(path, dtype=torch.float32, moe_backend=backend).eval()
+    model = load_model(path, dtype=torch.float32, runtime=ModelRuntime(moe_backend=backend)).eval()
     apply_lora(model, args, seed=0)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

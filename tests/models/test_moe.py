@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from support.model_parity import assert_backends_agree
 from support.tolerance import K_REORDERED, assert_close_scaled
-from tandem.models import load_model
+from tandem.models import ModelRuntime, load_model
 from tandem.models.layers import moe as moe_module
 from tandem.models.layers.moe import MoE, route
 
@@ -128,9 +129,9 @@ def test_routing_is_fp32_softmax_topk():
 def test_full_model_backends_agree_per_layer(model_dir):
     path = model_dir("qwen3_moe")
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(4))
-    mixed = load_model(path, moe_backend=["grouped_mm", "loop"])
+    mixed = load_model(path, runtime=ModelRuntime(moe_backend=["grouped_mm", "loop"]))
     assert [layer.mlp.backend for layer in mixed.layers] == ["grouped_mm", "loop"]
-    assert_backends_agree(lambda **runtime: load_model(path, **runtime), ids)
+    assert_backends_agree(functools.partial(load_model, path), ids)
 
 
 def test_unknown_backend_is_an_error():

@@ -19,7 +19,7 @@ from support.hybrid_parity import (
     assert_state_cache_matches_forward,
 )
 from support.model_parity import assert_round_trips_through_transformers, hf_load, write_hf_model
-from tandem.models import load_model, model_args
+from tandem.models import ModelRuntime, load_model, model_args
 from tandem.models.config import ModelConfigError
 from tandem.models.layers.mamba2 import chunk_ssd, recurrent_ssd
 from tandem.models.layers.state_cache import StateCache
@@ -152,7 +152,7 @@ def test_moe_blocks_are_parsed():
 
 @pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
 def test_moe_blocks_match_transformers(backend, moe_dir, tmp_path):
-    model, hf = load_model(moe_dir, moe_backend=backend).eval(), hf_load(moe_dir)
+    model, hf = load_model(moe_dir, runtime=ModelRuntime(moe_backend=backend)).eval(), hf_load(moe_dir)
     assert_padded_and_causal_parity(model, hf, f"nemotron_h moe {backend}", 20)
     assert_packed_rows_match_per_document(model, hf)
     assert_round_trips_through_transformers(model, moe_dir, tmp_path / "saved")
@@ -160,4 +160,3 @@ def test_moe_blocks_match_transformers(backend, moe_dir, tmp_path):
 
 def test_moe_blocks_decode_from_the_state_cache(moe_dir):
     assert_state_cache_matches_forward(load_model(moe_dir).eval())
-

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from support.tolerance import K_REFERENCE, K_REORDERED, assert_close_scaled, ulps_apart
-from tandem.models import KVCache, save_model
+from tandem.models import KVCache, ModelRuntime, save_model
 from tandem.models.layers import document_ids, document_mask
 from tandem.testing.tiny import SPECIAL_TOKENS, write_tokenizer
 
@@ -251,11 +251,11 @@ def assert_cache_matches_forward(model: torch.nn.Module, layout: str) -> None:
 
 
 def assert_backends_agree(load: Any, ids: torch.Tensor) -> None:
-    """`load(moe_backend=...)` models with the loop, grouped_mm and per-layer mixed backends: same logits and
+    """`load(runtime=ModelRuntime(moe_backend=...))` models with the loop, grouped_mm and per-layer mixed backends: same logits and
     gradients (every parameter that gets one)."""
     results = []
     for backend in ("loop", "grouped_mm", ["grouped_mm"] * (len(load().layers) - 1) + ["loop"]):
-        model = load(moe_backend=backend)
+        model = load(runtime=ModelRuntime(moe_backend=backend))
         logits = model(ids)
         logits.logsumexp(-1).sum().backward()
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))

@@ -18,11 +18,11 @@ def _batch(world: int):
 
 
 def _build(backend: str):
-    from tandem.models import build_model
+    from tandem.models import ModelRuntime, build_model
     from tandem.testing import tiny_config
 
     config = tiny_config("qwen3_moe", num_experts=8, num_experts_per_tok=2)
-    return build_model(config, dtype=torch.float32, seed=0, moe_backend=backend)
+    return build_model(config, dtype=torch.float32, seed=0, runtime=ModelRuntime(moe_backend=backend))
 
 
 def _full_grads(model) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from tandem.inference.serving_log import ServingSummary
 from tandem.inference.startup import Terminated, announce, check_context, stop_on_sigterm
 from tandem.kernels import triton_unavailable_reason
 from tandem.model_kernels import kernel_options, resolve
-from tandem.models import CausalLM, build_model, load_model
+from tandem.models import CausalLM, ModelRuntime, build_model, load_model
 from tandem.models.lora import (
     LoraArgs,
     LoraError,
@@ -175,10 +175,12 @@ def load_served_model(
         model_dir,
         dtype=getattr(torch, config.model.dtype),
         device=device,
-        attn_backend=config.model.attn_backend,
-        moe_backend=config.model.moe_backend,
-        freeze_router=config.model.freeze_router,
-        **recurrent_kernels(config.recurrent_kernels, device),
+        runtime=ModelRuntime(
+            attn_backend=config.model.attn_backend,
+            moe_backend=config.model.moe_backend,
+            freeze_router=bool(config.model.freeze_router),
+            **recurrent_kernels(config.recurrent_kernels, device),
+        ),
     )
     if lora is None:
         return model

@@ -27,7 +27,6 @@ import torch
 
 from tandem.inference.limits import RequestRefused
 from tandem.models import (
-    RUNTIME_OPTIONS,
     CausalLM,
     ModelArgs,
     ModelWeightsError,
@@ -80,12 +79,12 @@ def resolve_weights_path(path: str, allowed_root: Path) -> Path:
 
 
 def checkpoint_args(path: Path, current: ModelArgs) -> ModelArgs:
-    """The checkpoint's ModelArgs with the served runtime options: WeightsError naming its config.json unless it
+    """The checkpoint's ModelArgs (the served dtype kept): WeightsError naming its config.json unless it
     describes the served model `current` (ForbiddenWeightsPath for a config.json that links out of `path`)."""
     config = path / "config.json"
     try:
         config = resolve_inside(config, path)
-        args = model_args(config).replace(**{name: getattr(current, name) for name in ("dtype", *RUNTIME_OPTIONS)})
+        args = model_args(config).replace(dtype=current.dtype)
     except OutsideDirectoryError as error:
         raise ForbiddenWeightsPath(str(error)) from None
     except (ValueError, OSError, TypeError, KeyError) as error:  # a value of the wrong type fails as it is used

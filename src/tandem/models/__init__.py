@@ -3,8 +3,8 @@
 Imports nothing else from tandem. See docs/models.md.
 """
 
-from .architecture import Architecture, HFLayout
-from .build import RUNTIME_OPTIONS, build_model, load_model, model_args
+from .architecture import Architecture
+from .build import build_model, load_model, model_args
 from .checkpoint import (
     ModelWeightsError,
     OutsideDirectoryError,
@@ -15,30 +15,32 @@ from .checkpoint import (
     open_safetensors,
     resolve_inside,
     save_model,
-    weight_map,
 )
 from .config import ModelArgs, ModelConfigError, MoEArgs, RopeArgs, read_hf_config
-from .decoder import CausalLM, DecoderBlock
+from .decoder import CausalLM, DecoderBlock, weight_map
+from .hf_layout import Fused, HFLayout
 from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache, StateBatch, StateCache
 from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
 from .nll_sum import fused_nll_sum
 from .registry import ARCHITECTURES, get_architecture
+from .runtime import ModelRuntime
 
 __all__ = [
     "ARCHITECTURES",
     "IGNORE_INDEX",
     "MOE_BACKENDS",
-    "RUNTIME_OPTIONS",
     "Architecture",
     "AttnInputs",
     "CacheBatch",
     "CausalLM",
     "DecoderBlock",
+    "Fused",
     "HFLayout",
     "KVCache",
     "MoEArgs",
     "ModelArgs",
     "ModelConfigError",
+    "ModelRuntime",
     "ModelWeightsError",
     "OutsideDirectoryError",
     "RopeArgs",

@@ -1,9 +1,8 @@
-"""Hugging Face checkpoints in and out: the runtime <-> HF weight layout, safetensors reading, atomic sharded saving.
+"""Hugging Face checkpoints in and out: safetensors reading (confined or not), key checks, atomic sharded saving.
 
-`weight_map` is the single description of the layout conversion: for every runtime tensor, the HF tensors it is
-made of (concatenated along dim 0 for fused QKV and gate/up; additionally stacked over experts for MoE). Loading
-builds runtime tensors from it; saving splits them back, so a saved directory has exactly the HF keys, shapes
-and values that `transformers` expects.
+What each runtime tensor is made of on disk is `decoder.weight_map` (the modules' own `hf_weights`, put together
+under their blocks): loading concatenates (fused QKV and gate/up) and stacks (experts) the HF tensors it names;
+saving splits them back, so a saved directory has exactly the HF keys, shapes and values `transformers` expects.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .architecture import HFLayout
-from .config import ModelArgs, MoEArgs, hf_config_json
-from .decoder import vision_tower
+from .config import ModelArgs, hf_config_json
+from .decoder import weight_map
+from .hf_layout import Fused, HFLayout
 from .registry import ARCHITECTURES
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,199 +86,6 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
-@dataclass(frozen=True)
-class Fused:
-    """One runtime tensor from HF tensors: each group in `parts` is concatenated on dim 0 (`sizes` rows each,
-    when there are several); the groups are stacked on a new dim 0 when `stacked` (experts)."""
-
-    parts: tuple[tuple[str, ...], ...]
-    sizes: tuple[int, ...] | None = None
-    stacked: bool = False
-
-    @property
-    def hf_keys(self) -> tuple[str, ...]:
-        return tuple(k for group in self.parts for k in group)
-
-
-def _plain(key: str) -> Fused:
-    return Fused(((key,),))
-
-
-def weight_map(args: ModelArgs, layout: HFLayout, stacked_experts: bool = False) -> dict[str, Fused]:
-    """Runtime parameter name -> the HF tensors it is built from (see module docstring)."""
-    top = layout.prefix
-    out = {
-        "embed_tokens.weight": _plain(f"{top}{layout.embed_tokens}.weight"),
-        "norm.weight": _plain(f"{top}{layout.final_norm}.weight"),
-    }
-    if not args.tie_word_embeddings:
-        out["lm_head.weight"] = _plain("lm_head.weight")
-    for i in range(args.num_layers):
-        hf, rt = f"{top}layers.{i}.", f"layers.{i}."
-        if args.block == "mixer":  # Nemotron-H: norm + one mixer, HF's names unchanged
-            block = _mixer_block_weights(args, i, layout, stacked_experts)
-            out |= {rt + name: _under(hf, fused) for name, fused in block.items()}
-            continue
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{rt}{norm}.weight"] = _plain(f"{hf}{norm}.weight")
-        if args.layer_type(i) == "linear_attention":
-            attention = _linear_attention_weights(args)
-        else:
-            attention = _mla_weights(args) if args.mla is not None else _gqa_weights(args)
-        if args.moe is not None and args.is_moe_layer(i):
-            mlp = _moe_weights(args.moe, layout, stacked_experts)
-        else:
-            mlp = _mlp_weights("mlp.", args.intermediate_size, args.mlp_bias)
-        out |= {rt + name: _under(hf, fused) for name, fused in (attention | mlp).items()}
-    if args.vision_config is not None:  # the vision tower: HF's names under `model.visual.`
-        out |= {f"visual.{name}": _plain(f"model.visual.{name}") for name in vision_parameters(args)}
-    return out
-
-
-def vision_parameters(args: ModelArgs) -> list[str]:
-    """A vision tower's parameter names (HF's, under `model.visual.`), from one built on the meta device."""
-    with torch.device("meta"):
-        tower = vision_tower(args)
-    return [] if tower is None else [name for name, _ in tower.named_parameters()]
-
-
-def _under(prefix: str, fused: Fused) -> Fused:
-    """`fused` with `prefix` before every HF key (a layer's `model.layers.{i}.`)."""
-    return dataclasses.replace(fused, parts=tuple(tuple(prefix + k for k in group) for group in fused.parts))
-
-
-def _kinds(bias: bool) -> tuple[str, ...]:
-    return ("weight", "bias") if bias else ("weight",)
-
-
-def _gqa_weights(args: ModelArgs) -> dict[str, Fused]:
-    """Within a layer: fused QKV (+ bias), o_proj (+ bias), qk-norm."""
-    kv_size = args.num_kv_heads * args.head_dim
-    q_size = args.num_heads * args.head_dim * (2 if args.attn_output_gate else 1)  # gated: q_proj holds the gate too
-    out = {}
-    for kind in _kinds(args.attention_bias):
-        qkv = tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv")
-        out[f"self_attn.qkv_proj.{kind}"] = Fused((qkv,), (q_size, kv_size, kv_size))
-    out |= {f"self_attn.o_proj.{kind}": _plain(f"self_attn.o_proj.{kind}") for kind in _kinds(args.attention_out_bias)}
-    norms = ("q_norm", "k_norm") if args.qk_norm else ()
-    return out | {f"self_attn.{n}.weight": _plain(f"self_attn.{n}.weight") for n in norms}
-
-
-def _mixer_block_weights(args: ModelArgs, layer: int, layout: HFLayout, stacked_experts: bool) -> dict[str, Fused]:
-    """Within a one-mixer block (Nemotron-H): `norm` and the mixer's tensors, all under HF's names (`mixer.*`)."""
-    kind = args.layer_type(layer)
-    names = ["norm.weight"]
-    if kind == "moe":
-        assert args.moe is not None
-        moe = _moe_weights(args.moe, layout, stacked_experts)
-        return {"norm.weight": _plain("norm.weight")} | {"mixer." + k.removeprefix("mlp."): f for k, f in moe.items()}
-    if kind == "mamba":
-        m = args.mamba
-        assert m is not None
-        names += ["mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.dt_bias", "mixer.A_log", "mixer.D"]
-        names += ["mixer.norm.weight", "mixer.out_proj.weight"]
-        names += ["mixer.conv1d.bias"] if m.conv_bias else []
-        names += ["mixer.in_proj.bias", "mixer.out_proj.bias"] if m.proj_bias else []
-    elif kind == "mlp":
-        names += [f"mixer.{p}_proj.{k}" for p in ("up", "down") for k in _kinds(args.mlp_bias)]
-    else:
-        gqa = _gqa_weights(args)
-        return {"norm.weight": _plain("norm.weight")} | {
-            "mixer." + name.removeprefix("self_attn."): _under("mixer.", _strip(fused, "self_attn."))
-            for name, fused in gqa.items()
-        }
-    return {n: _plain(n) for n in names}
-
-
-def _strip(fused: Fused, prefix: str) -> Fused:
-    return dataclasses.replace(fused, parts=tuple(tuple(k.removeprefix(prefix) for k in g) for g in fused.parts))
-
-
-def _linear_attention_weights(args: ModelArgs) -> dict[str, Fused]:
-    """Within a layer: the Gated DeltaNet's tensors under HF's names; Qwen3.5's separate input projections are
-    concatenated into the runtime's `in_proj_qkvz` and `in_proj_ba` (`LinearAttnArgs.flat_projections`)."""
-    la = args.linear
-    assert la is not None
-    names = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
-    out = {f"linear_attn.{n}": _plain(f"linear_attn.{n}") for n in names}
-    if not la.flat_projections:
-        return out | {
-            f"linear_attn.{n}": _plain(f"linear_attn.{n}") for n in ("in_proj_qkvz.weight", "in_proj_ba.weight")
-        }
-    value_dim = la.num_v_heads * la.v_head_dim
-    qkvz = tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z"))
-    ba = tuple(f"linear_attn.in_proj_{p}.weight" for p in "ba")
-    out["linear_attn.in_proj_qkvz.weight"] = Fused((qkvz,), (la.conv_dim, value_dim))
-    out["linear_attn.in_proj_ba.weight"] = Fused((ba,), (la.num_v_heads, la.num_v_heads))
-    return out
-
-
-def _mla_weights(args: ModelArgs) -> dict[str, Fused]:
-    """Within a layer: MLA's projections and latent norms, unfused, under HF's names."""
-    assert args.mla is not None
-    low_rank_q = args.mla.q_lora_rank is not None
-    names = [
-        *(("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight") if low_rank_q else ("q_proj.weight",)),
-        "kv_a_proj_with_mqa.weight",
-        "kv_a_layernorm.weight",
-        "kv_b_proj.weight",
-        "o_proj.weight",
-    ]
-    if args.attention_bias:
-        names += [*(("q_a_proj.bias",) if low_rank_q else ()), "kv_a_proj_with_mqa.bias"]
-    if args.attention_out_bias:
-        names.append("o_proj.bias")
-    if args.indexer is not None:  # DeepSeek-V3.2's lightning indexer (`layers.indexer`)
-        names += [f"indexer.{n}" for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias")]
-        names.append("indexer.weights_proj.weight")
-    return {f"self_attn.{n}": _plain(f"self_attn.{n}") for n in names}
-
-
-def _mlp_weights(prefix: str, size: int, bias: bool, hf_prefix: str | None = None) -> dict[str, Fused]:
-    """Within a layer: a dense SwiGLU at `prefix` (the MLP, or a MoE's shared experts; `hf_prefix` on disk when it
-    differs), gate and up fused."""
-    hf = prefix if hf_prefix is None else hf_prefix
-    out = {}
-    for kind in _kinds(bias):
-        gate_up = (f"{hf}gate_proj.{kind}", f"{hf}up_proj.{kind}")
-        out[f"{prefix}gate_up_proj.{kind}"] = Fused((gate_up,), (size, size))
-        out[f"{prefix}down_proj.{kind}"] = _plain(f"{hf}down_proj.{kind}")
-    return out
-
-
-UNGATED = ("up_proj", "down_proj")
-"""An ungated MLP's projections (Nemotron-H's shared expert)."""
-
-
-def _moe_weights(moe: MoEArgs, layout: HFLayout, stacked_experts: bool) -> dict[str, Fused]:
-    """Within a layer: router (+ correction bias), experts stacked from per-expert tensors, shared experts."""
-    out = {"mlp.router.weight": _plain(layout.router)}
-    if moe.score_correction_bias:
-        out["mlp.router.e_score_correction_bias"] = _plain(layout.router_bias)
-    if moe.shared_intermediate_size and moe.expert_activation == "swiglu":
-        out |= _mlp_weights("mlp.shared_experts.", moe.shared_intermediate_size, False, layout.shared_experts)
-    elif moe.shared_intermediate_size:  # ungated, as its experts
-        out |= {f"mlp.shared_experts.{p}.weight": _plain(f"{layout.shared_experts}{p}.weight") for p in UNGATED}
-    if moe.shared_intermediate_size and moe.shared_expert_gate:
-        out["mlp.shared_expert_gate.weight"] = _plain(layout.shared_expert_gate)
-    gate, up, down = (layout.expert.replace("{proj}", proj) for proj in layout.expert_projs)
-    experts = range(moe.num_experts)
-    if moe.expert_activation != "swiglu":  # ungated experts (Nemotron-H), stored one by one
-        out["mlp.experts.up_proj"] = Fused(tuple((up.format(expert=e),) for e in experts), stacked=True)
-        out["mlp.experts.down_proj"] = Fused(tuple((down.format(expert=e),) for e in experts), stacked=True)
-        return out
-    if stacked_experts:
-        out["mlp.experts.gate_up_proj"] = _plain(layout.stacked_gate_up)
-        out["mlp.experts.down_proj"] = _plain(layout.stacked_down)
-        return out
-    size = moe.intermediate_size
-    out["mlp.experts.gate_up_proj"] = Fused(
-        tuple((gate.format(expert=e), up.format(expert=e)) for e in experts), (size, size), stacked=True
-    )
-    out["mlp.experts.down_proj"] = Fused(tuple((down.format(expert=e),) for e in experts), stacked=True)
-    return out
-
-
 def _layout(args: ModelArgs) -> HFLayout:
     return ARCHITECTURES[args.architecture].layout
 
@@ -289,7 +94,7 @@ def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their HF names and shapes (views of the runtime tensors, no copies)."""
     state = model.state_dict()
     layout = _layout(model.args)
-    for name, fused in weight_map(model.args, layout, stacked_experts=layout.save_stacked_experts).items():
+    for name, fused in weight_map(model.args, layout).items():
         groups = state[name].unbind(0) if fused.stacked else (state[name],)
         for group, keys in zip(groups, fused.parts, strict=True):
             yield from zip(keys, group.split(fused.sizes) if fused.sizes else (group,), strict=True)
@@ -388,7 +193,7 @@ def iter_runtime_tensors(
     layout = _layout(args)
     stored = _stored_keys(reader.files, layout)
     stacked = any(k.endswith(layout.stacked_gate_up) for k in stored)
-    wanted = weight_map(args, layout, stacked_experts=stacked)
+    wanted = weight_map(args, dataclasses.replace(layout, stacked_experts=stacked))
     _check_keys(set(stored), wanted, args, path)
     for name, fused in wanted.items():
         groups = [

@@ -1,8 +1,8 @@
 """ModelArgs: the architecture-independent description of a decoder, parsed from a HF `config.json`.
 
 Family files (`qwen3.py`, `llama.py`, ...) call `parse_decoder_args` with what is specific to them; everything
-else reads the same keys for every Llama-style model. Runtime choices that HF configs do not have (attention and
-MoE backends, router freezing) live here too, with defaults, so the trainer and inference configure one object.
+else reads the same keys for every Llama-style model. ModelArgs holds only what the checkpoint's config says; how a
+run computes (kernels, router freezing) is `runtime.ModelRuntime`, given to `build_model` beside it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -120,8 +119,15 @@ class IndexerArgs:
     topk: int
 
 
-LAYER_TYPES = ("full_attention", "linear_attention", "mamba", "mlp", "moe")
-STATEFUL_LAYER_TYPES = ("linear_attention", "mamba")  # layers that keep a recurrent state (`StateCache`)
+LAYER_CACHES: dict[str, str | None] = {
+    "full_attention": "kv",
+    "linear_attention": "state",
+    "mamba": "state",
+    "mlp": None,
+    "moe": None,
+}
+"""The layer kinds a config may name (`ModelArgs.layer_types`; each is a row of `decoder.LAYER_KINDS`) and what each
+keeps between cached steps: K/V in the paged `KVCache`, a recurrent `StateCache` entry, or nothing."""
 BLOCK_STYLES = ("decoder", "mixer")
 
 
@@ -209,7 +215,7 @@ class ModelArgs:
     mla: MLAArgs | None = None  # multi-head latent attention instead of GQA (then num_kv_heads == num_heads)
     indexer: IndexerArgs | None = None  # DeepSeek-V3.2: MLA restricted to the indexer's top-k keys per query
     mtp_layers: int = 0  # multi-token-prediction layers checkpoints store after the decoder; never run or loaded
-    layer_types: tuple[str, ...] = ()  # token mixer per layer (LAYER_TYPES); empty: all full_attention
+    layer_types: tuple[str, ...] = ()  # token mixer per layer (LAYER_CACHES); empty: all full_attention
     linear: LinearAttnArgs | None = None  # the linear_attention layers' shape (Gated DeltaNet)
     mamba: MambaArgs | None = None  # the mamba layers' shape (Mamba-2, Nemotron-H)
     block: str = "decoder"  # BLOCK_STYLES: norm + mixer + norm + MLP, or norm + one mixer (Nemotron-H)
@@ -220,31 +226,22 @@ class ModelArgs:
     zero_centered_norm: bool = False  # Qwen3-Next: RMSNorms scale by (1 + weight), weights initialised to 0
     vision_config: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
     """A vision-language checkpoint's HF `vision_config` (Qwen3-VL): the model builds its vision tower from it."""
+    vision_tower: str | None = None  # which tower reads `vision_config` (`decoder.VISION_TOWERS`), set by the family
     image_token_id: int | None = None  # the placeholder token an image's embeddings replace (vision-language)
     initializer_range: float = 0.02
-    dtype: torch.dtype = torch.float32
-    # Runtime choices (not part of the HF config).
-    attn_backend: str = "auto"
-    moe_backend: str | tuple[str, ...] = "grouped_mm"
-    freeze_router: bool = False
-    moe_balanced_routing: bool = False  # benchmarks: round-robin experts, every expert gets the same tokens
-    rope_backend: str = "torch"  # a name in layers.rope.ROPE_BACKENDS
-    swiglu_backend: str = "torch"  # a name in layers.mlp.SWIGLU_BACKENDS (dense MLPs)
-    index_backend: str = "torch"  # a name in layers.indexer.INDEX_BACKENDS (DeepSeek-V3.2's indexer scores)
-    delta_scan_backend: str = "torch"  # a name in layers.gated_deltanet.SCAN_BACKENDS (Gated DeltaNet's chunk scan)
-    ssd_backend: str = "torch"  # a name in layers.mamba2.SSD_BACKENDS (Mamba-2's within-chunk part)
+    dtype: torch.dtype = torch.float32  # the checkpoint's (`dtype` / `torch_dtype`): what a load defaults to
     hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.attn_backend not in ATTENTION_BACKENDS:
-            raise ModelConfigError(f"attn_backend {self.attn_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ModelConfigError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
-        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        unknown = set(self.layer_types) - set(LAYER_CACHES)
         if unknown:
-            raise ModelConfigError(f"layer types {sorted(unknown)} are not supported (supported: {LAYER_TYPES})")
+            raise ModelConfigError(
+                f"layer types {sorted(unknown)} are not supported (supported: {tuple(LAYER_CACHES)})"
+            )
         if "linear_attention" in self.layer_types and self.linear is None:
             raise ModelConfigError("linear_attention layers need LinearAttnArgs")
         if "mamba" in self.layer_types and self.mamba is None:
@@ -253,12 +250,10 @@ class ModelArgs:
             raise ModelConfigError(f"block {self.block!r} is not one of {BLOCK_STYLES}")
         if self.block == "decoder" and {"mamba", "mlp", "moe"} & set(self.layer_types):
             raise ModelConfigError("mamba, mlp and moe layers are one-mixer blocks (block='mixer')")
+        if (self.vision_config is None) != (self.vision_tower is None):
+            raise ModelConfigError("a vision tower needs both vision_config and vision_tower")
         if "moe" in self.layer_types and self.moe is None:
             raise ModelConfigError("moe layers need MoEArgs")
-        if isinstance(self.moe_backend, tuple) and len(self.moe_backend) != self.num_layers:
-            raise ModelConfigError(
-                f"moe_backend has {len(self.moe_backend)} entries, expected one per layer ({self.num_layers})"
-            )
 
     @property
     def rotary_dim(self) -> int:
@@ -295,24 +290,19 @@ class ModelArgs:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep K/V in the paged cache: the `full_attention` ones."""
-        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")
+        """The layers that keep K/V in the paged cache (`LAYER_CACHES`: the `full_attention` ones)."""
+        return tuple(i for i in range(self.num_layers) if LAYER_CACHES[self.layer_type(i)] == "kv")
 
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers keep a recurrent state (`layers.state_cache.StateCache`) instead of K/V."""
-        return any(t in STATEFUL_LAYER_TYPES for t in self.layer_types)
+        return any(LAYER_CACHES[t] == "state" for t in self.layer_types)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
 
-    def moe_backend_for(self, layer: int) -> str:
-        return self.moe_backend[layer] if isinstance(self.moe_backend, tuple) else self.moe_backend
-
     def replace(self, **changes: Any) -> ModelArgs:
-        """A copy with runtime options (or anything else) changed; lists become tuples."""
-        if isinstance(changes.get("moe_backend"), list):
-            changes["moe_backend"] = tuple(changes["moe_backend"])
+        """A copy with `changes` (what a family's parser sets after `parse_decoder_args`)."""
         return dataclasses.replace(self, **changes)
 
 

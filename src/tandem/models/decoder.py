@@ -1,8 +1,8 @@
 """The shared decoder: Qwen3, Llama, Qwen3-MoE, GLM-4.5, DeepSeek-V3/V3.2, Qwen3-Next are this module with different
 `ModelArgs`.
 
-Each block has one token mixer, chosen per layer by `args.layer_type(i)` (`MIXERS`: the kind -> the attribute it is
-stored under, HF's name, and its constructor): `full_attention` is GQA (`Attention`, optionally output-gated),
+Each block has one token mixer, chosen per layer by `args.layer_type(i)` (`LAYER_KINDS`: the kind -> the attribute it
+is stored under, HF's name, its constructor and its HF weight map): `full_attention` is GQA (`Attention`, optionally output-gated),
 multi-head latent attention (`MLAttention`, when `args.mla` is set) or MLA restricted to an indexer's top-k keys
 (`SparseMLAttention`, DeepSeek-V3.2, when `args.indexer` is set too), under `self_attn`; `linear_attention` is
 Qwen3-Next's Gated DeltaNet (`GatedDeltaNet`) under `linear_attn`; `mamba` is Mamba-2 (`Mamba2`) and `mlp` an
@@ -11,7 +11,8 @@ ungated MLP (`MLP`), Nemotron-H's. Every mixer takes `(x, cos, sin, AttnInputs)`
 Blocks (`args.block`): `decoder` blocks (`DecoderBlock`) are norm + mixer + norm + MLP; `mixer` blocks
 (`MixerBlock`, Nemotron-H) are norm + one mixer, stored under `mixer` whatever its kind (HF's layout).
 Parameter names follow Hugging Face's (without the `model.` prefix) except the runtime fusions: `qkv_proj`,
-`gate_up_proj`, the MoE `router` and stacked `experts`. `checkpoint.py` converts both ways.
+`gate_up_proj`, the MoE `router` and stacked `experts`. `weight_map` puts the modules' own maps (`hf_weights`) together
+under their blocks; `checkpoint.py` reads and writes through it.
 
 Vision-language models (`args.vision_config`, Qwen3-VL) add a vision tower (`visual`, `layers.vision`): a forward
 given `Images` replaces each image's placeholder tokens' embeddings by the tower's output, adds its DeepStack
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from .config import ModelArgs
+from .hf_layout import HFLayout, WeightMap, nest, plain, same_names
 from .layers.attention import Attention, AttnInputs, attention_inputs
 from .layers.gated_deltanet import GatedDeltaNet
 from .layers.indexer import SparseMLAttention
@@ -45,70 +47,69 @@ from .layers.state_cache import StateBatch, StateCache
 from .layers.vision import Qwen3VisionEncoder, VisionArgs
 from .logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from .nll_sum import fused_nll_sum
+from .runtime import ModelRuntime
 
 
-def _attention(args: ModelArgs, layer_idx: int) -> nn.Module:
+def _attention_class(args: ModelArgs) -> type[Attention] | type[MLAttention]:
+    """`full_attention`'s module: GQA, MLA (`args.mla`) or MLA narrowed by an indexer (`args.indexer`)."""
     if args.indexer is not None:
-        return SparseMLAttention(args, layer_idx)
-    return MLAttention(args, layer_idx) if args.mla is not None else Attention(args, layer_idx)
+        return SparseMLAttention
+    return MLAttention if args.mla is not None else Attention
 
 
-def _mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
-    return MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.mlp_activation)
+def _attention(args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> nn.Module:
+    return _attention_class(args)(args, layer_idx, runtime)
 
 
-def _moe(args: ModelArgs, layer_idx: int) -> MoE:
-    moe = args.moe
-    assert moe is not None
-    return MoE(
-        args.hidden_size,
-        moe.intermediate_size,
-        moe.num_experts,
-        moe.top_k,
-        moe.norm_topk_prob,
-        backend=args.moe_backend_for(layer_idx),
-        freeze_router=args.freeze_router,
-        balanced_routing=args.moe_balanced_routing,
-        shared_intermediate_size=moe.shared_intermediate_size,
-        shared_activation=args.swiglu_backend,
-        shared_expert_gate=moe.shared_expert_gate,
-        expert_activation=moe.expert_activation,
-        scoring=moe.scoring,
-        score_correction_bias=moe.score_correction_bias,
-        n_group=moe.n_group,
-        topk_group=moe.topk_group,
-        scaling_factor=moe.routed_scaling_factor,
-    )
+def _attention_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+    return _attention_class(args).hf_weights(args, layout)
 
 
-MIXERS: dict[str, tuple[str, Callable[[ModelArgs, int], nn.Module]]] = {
-    "full_attention": ("self_attn", _attention),
-    "linear_attention": ("linear_attn", GatedDeltaNet),
-    "mamba": ("mixer", Mamba2),
-    "mlp": ("mixer", _mlp),
-    "moe": ("mixer", _moe),
+@dataclass(frozen=True)
+class LayerKind:
+    """A token mixer: where a `DecoderBlock` keeps it, how it is built, how its tensors are named on disk. What
+    it keeps between cached steps is `config.LAYER_CACHES[kind]` (read by `ModelArgs` and the caches, below)."""
+
+    attribute: str
+    """Its attribute (and HF name) in a `DecoderBlock`; a `MixerBlock` keeps every kind under `mixer`."""
+    build: Callable[[ModelArgs, int, ModelRuntime], nn.Module]
+    """`(args, layer_idx, runtime)` -> the module, called as `mixer(x, cos, sin, attn: AttnInputs)`."""
+    hf_weights: Callable[[ModelArgs, HFLayout], WeightMap]
+    """Its runtime tensors -> HF tensors, names relative to the mixer (`hf_layout`)."""
+
+
+def _mlp_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+    return MLP.hf_weights(args.mlp_bias)
+
+
+LAYER_KINDS: dict[str, LayerKind] = {
+    "full_attention": LayerKind("self_attn", _attention, _attention_weights),
+    "linear_attention": LayerKind("linear_attn", GatedDeltaNet, GatedDeltaNet.hf_weights),
+    "mamba": LayerKind("mixer", Mamba2, Mamba2.hf_weights),
+    "mlp": LayerKind("mixer", MLP.mixer, _mlp_weights),
+    "moe": LayerKind("mixer", MoE.mixer, MoE.hf_weights),
 }
-"""Layer kind -> (attribute and HF name of its token mixer in a `DecoderBlock`, constructor `(args, layer_idx)`).
-A `MixerBlock` keeps any kind under `mixer`."""
+"""`ModelArgs.layer_type(i)` -> its token mixer, one row per kind of `config.LAYER_CACHES`."""
 
 
 class DecoderBlock(nn.Module):
     """Pre-norm token mixer (attention or linear attention) + MLP (dense or MoE). One FSDP / compile unit."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         centered = args.zero_centered_norm
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, centered)
         self.layer_type = args.layer_type(layer_idx)
-        self.mixer_name, make_mixer = MIXERS[self.layer_type]
-        self.add_module(self.mixer_name, make_mixer(args, layer_idx))
+        kind = LAYER_KINDS[self.layer_type]
+        self.mixer_name = kind.attribute
+        self.add_module(self.mixer_name, kind.build(args, layer_idx, runtime))
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, centered)
         self.mlp: nn.Module
-        if args.moe is not None and args.is_moe_layer(layer_idx):
-            self.mlp = _moe(args, layer_idx)
+        if args.is_moe_layer(layer_idx):
+            self.mlp = MoE.mixer(args, layer_idx, runtime)
         else:
             self.mlp = GatedMLP(
-                args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.swiglu_backend
+                args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=runtime.swiglu_backend
             )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
@@ -120,36 +121,73 @@ class DecoderBlock(nn.Module):
         """The token mixer (`self_attn` or `linear_attn`)."""
         return getattr(self, self.mixer_name)
 
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout, layer_idx: int) -> WeightMap:
+        """The norms, the mixer's tensors under its attribute and the MLP's (dense or MoE) under `mlp.`."""
+        kind = LAYER_KINDS[args.layer_type(layer_idx)]
+        out = same_names("input_layernorm.weight", "post_attention_layernorm.weight")
+        out |= nest(f"{kind.attribute}.", kind.hf_weights(args, layout))
+        if args.is_moe_layer(layer_idx):
+            return out | nest("mlp.", MoE.hf_weights(args, layout))
+        return out | nest("mlp.", GatedMLP.hf_weights(args.intermediate_size, args.mlp_bias))
+
 
 class MixerBlock(nn.Module):
     """Nemotron-H's block: `x + mixer(norm(x))` with one mixer of any kind (attention, Mamba-2, MLP, MoE) under `mixer`.
     One FSDP / compile unit."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, fp32_scale=args.norm_fp32_scale)
         self.layer_type = args.layer_type(layer_idx)
         self.mixer_name = "mixer"
-        self.mixer = MIXERS[self.layer_type][1](args, layer_idx)
+        self.mixer = LAYER_KINDS[self.layer_type].build(args, layer_idx, runtime)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
         return x + self.mixer(self.norm(x), cos, sin, attn)
 
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout, layer_idx: int) -> WeightMap:
+        """`norm` and the mixer's tensors under `mixer.`, whatever its kind."""
+        kind = LAYER_KINDS[args.layer_type(layer_idx)]
+        return same_names("norm.weight") | nest("mixer.", kind.hf_weights(args, layout))
 
-BLOCKS: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"decoder": DecoderBlock, "mixer": MixerBlock}
+
+BLOCKS: dict[str, type[DecoderBlock] | type[MixerBlock]] = {"decoder": DecoderBlock, "mixer": MixerBlock}
+"""`ModelArgs.block` -> the block class: built `(args, layer_idx, runtime)`, named on disk by `hf_weights`."""
 
 
 VISION_TOWERS: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
-    "Qwen3VLForConditionalGeneration": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
-    "Qwen3VLMoeForConditionalGeneration": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
-    "Qwen2_5_VLForConditionalGeneration": lambda config: Qwen2_5VisionEncoder(Qwen2_5VisionArgs.from_hf(config)),
+    "qwen3_vl": lambda config: Qwen3VisionEncoder(VisionArgs.from_hf(config)),
+    "qwen2_5_vl": lambda config: Qwen2_5VisionEncoder(Qwen2_5VisionArgs.from_hf(config)),
 }
-"""Vision-language architecture -> its vision tower, built from the HF `vision_config`."""
+"""`ModelArgs.vision_tower` -> the vision tower, built from the HF `vision_config`."""
 
 
 def vision_tower(args: ModelArgs) -> nn.Module | None:
-    """The vision tower of a vision-language model (`args.vision_config`); None for a text model."""
-    return None if args.vision_config is None else VISION_TOWERS[args.architecture](dict(args.vision_config))
+    """The vision tower of a vision-language model (`args.vision_tower`); None for a text model."""
+    return None if args.vision_tower is None else VISION_TOWERS[args.vision_tower](dict(args.vision_config or {}))
+
+
+def weight_map(args: ModelArgs, layout: HFLayout) -> WeightMap:
+    """Every runtime parameter of the model of `args` -> the HF tensors it is built from: the embedding, final
+    norm and LM head under `layout`'s names, each block's `hf_weights` under `layers.{i}.`, and a vision tower's
+    parameters under HF's own names (`model.visual.`)."""
+    top = layout.prefix
+    out = {
+        "embed_tokens.weight": plain(f"{top}{layout.embed_tokens}.weight"),
+        "norm.weight": plain(f"{top}{layout.final_norm}.weight"),
+    }
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = plain("lm_head.weight")
+    block = BLOCKS[args.block]
+    for i in range(args.num_layers):
+        out |= nest(f"layers.{i}.", block.hf_weights(args, layout, i), f"{top}layers.{i}.")
+    if args.vision_config is not None:
+        with torch.device("meta"):
+            tower = vision_tower(args)
+        out |= nest("visual.", same_names(*(name for name, _ in tower.named_parameters())), "model.visual.")
+    return out
 
 
 @dataclass(frozen=True)
@@ -177,13 +215,14 @@ class VisualFeatures:
 
 class CausalLM(nn.Module):
     """Embedding, decoder blocks (`layers[i]`), final norm, LM head (absent when tied to the embedding), and for a
-    vision-language model its vision tower (`visual`)."""
+    vision-language model its vision tower (`visual`). `args` is the checkpoint's config, `runtime` the run's
+    kernel choices."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, runtime: ModelRuntime | None = None) -> None:
         super().__init__()
-        self.args = args
+        self.args, self.runtime = args, runtime or ModelRuntime()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(BLOCKS[args.block](args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(BLOCKS[args.block](args, i, self.runtime) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.zero_centered_norm, args.norm_fp32_scale)
         self.rotary = RotaryEmbedding(args.rope, args.rotary_dim)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -305,7 +344,7 @@ class CausalLM(nn.Module):
         batch, seq = input_ids.shape
         args = self.args
         attn = attention_inputs(
-            args.attn_backend, input_ids.device, position_ids, attention_mask, args.attention_head_dims
+            self.runtime.attn_backend, input_ids.device, position_ids, attention_mask, args.attention_head_dims
         )
         visual = None
         if images is not None:

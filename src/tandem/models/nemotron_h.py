@@ -24,8 +24,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .architecture import Architecture, HFLayout
+from .architecture import Architecture
 from .config import MambaArgs, ModelArgs, ModelConfigError, MoEArgs, RopeArgs, parse_decoder_args
+from .hf_layout import HFLayout
 
 # transformers' NemotronHConfig defaults for keys a config.json may leave out
 DEFAULTS: dict[str, Any] = {
@@ -165,13 +166,5 @@ def parse(config: Mapping[str, Any]) -> ModelArgs:
 ARCHITECTURE = Architecture(
     "NemotronHForCausalLM",
     parse,
-    layout=HFLayout(
-        prefix="backbone.",
-        embed_tokens="embeddings",
-        final_norm="norm_f",
-        router="mixer.gate.weight",
-        router_bias="mixer.gate.e_score_correction_bias",
-        expert="mixer.experts.{expert}.{proj}.weight",
-        shared_experts="mixer.shared_experts.",
-    ),
+    layout=HFLayout(prefix="backbone.", embed_tokens="embeddings", final_norm="norm_f"),
 )

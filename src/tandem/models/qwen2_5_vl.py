@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .architecture import Architecture, HFLayout
+from .architecture import Architecture
 from .config import ModelArgs, ModelConfigError, parse_decoder_args
+from .hf_layout import HFLayout
 
 LAYOUT = HFLayout(
     load_renames=(("model.language_model.", "model."), ("visual.", "model.visual.")),
@@ -43,7 +44,10 @@ def parse(config: Mapping[str, Any]) -> ModelArgs:
     decoder.pop("rope_scaling", None)
     args = parse_decoder_args(decoder, qk_norm=False, attention_bias=True, attention_out_bias=False)
     return args.replace(
-        vision_config=dict(vision), image_token_id=config.get("image_token_id", 151655), hf_config=dict(config)
+        vision_config=dict(vision),
+        vision_tower="qwen2_5_vl",
+        image_token_id=config.get("image_token_id", 151655),
+        hf_config=dict(config),
     )
 
 

@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import qwen3_next
-from .architecture import Architecture, HFLayout
+from .architecture import Architecture
 from .config import ModelArgs, ModelConfigError
+from .hf_layout import HFLayout
 
 LAYOUT = HFLayout(
-    shared_experts="mlp.shared_expert.",
-    shared_expert_gate="mlp.shared_expert_gate.weight",
+    shared_experts="shared_expert.",
     load_renames=(("model.language_model.", "model."),),
     load_skips=("model.visual.",),
 )

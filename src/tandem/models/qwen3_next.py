@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .architecture import Architecture, HFLayout
+from .architecture import Architecture
 from .config import LinearAttnArgs, ModelArgs, ModelConfigError, MoEArgs, parse_decoder_args, parse_rope
+from .hf_layout import HFLayout
 
 # transformers' Qwen3NextConfig defaults for keys a config.json may leave out
 DEFAULTS = {
@@ -91,5 +92,5 @@ def parse(config: Mapping[str, Any]) -> ModelArgs:
 ARCHITECTURE = Architecture(
     "Qwen3NextForCausalLM",
     parse,
-    layout=HFLayout(shared_experts="mlp.shared_expert.", shared_expert_gate="mlp.shared_expert_gate.weight"),
+    layout=HFLayout(shared_experts="shared_expert."),
 )

@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import qwen3, qwen3_moe
-from .architecture import Architecture, HFLayout
+from .architecture import Architecture
 from .config import ModelArgs, ModelConfigError
+from .hf_layout import HFLayout
 
 LAYOUT = HFLayout(prefix="model.language_model.", peft_prefix="model.language_model.")
 DEFAULT_MROPE_SECTION = (24, 20, 20)
@@ -42,7 +43,10 @@ def _parser(decoder_parse: Callable[[Mapping[str, Any]], ModelArgs], **text_defa
         decoder = {**text, **text_defaults, "architectures": config["architectures"], "tie_word_embeddings": tied,
                    "rope_parameters": rope}  # fmt: skip
         return decoder_parse(decoder).replace(
-            vision_config=dict(vision), image_token_id=config.get("image_token_id", 151655), hf_config=dict(config)
+            vision_config=dict(vision),
+            vision_tower="qwen3_vl",
+            image_token_id=config.get("image_token_id", 151655),
+            hf_config=dict(config),
         )
 
     return parse
@@ -52,5 +56,5 @@ ARCHITECTURE = Architecture("Qwen3VLForConditionalGeneration", _parser(qwen3.par
 MOE_ARCHITECTURE = Architecture(
     "Qwen3VLMoeForConditionalGeneration",
     _parser(qwen3_moe.parse, norm_topk_prob=True),
-    layout=HFLayout(prefix="model.language_model.", peft_prefix="model.language_model.", save_stacked_experts=True),
+    layout=HFLayout(prefix="model.language_model.", peft_prefix="model.language_model.", stacked_experts=True),
 )

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from tandem.config import ConfigError
 from tandem.config.common import ModelConfig
-from tandem.models import ModelArgs, build_model, load_model, model_args, save_model
+from tandem.models import ModelArgs, ModelRuntime, build_model, load_model, model_args, save_model
 from tandem.models.checkpoint import INDEX_FILE
 from tandem.models.lora import (
     LoraArgs,
@@ -43,11 +43,11 @@ class ModelInfo:
 
 
 def runtime_options(config: ModelConfig, freeze_router_default: bool) -> dict:
-    backend = config.moe_backend
+    """The `ModelRuntime` fields the `[model]` section sets."""
     freeze = config.freeze_router
     return {
         "attn_backend": config.attn_backend,
-        "moe_backend": tuple(backend) if isinstance(backend, list) else backend,
+        "moe_backend": config.moe_backend,
         "freeze_router": freeze_router_default if freeze is None else freeze,
     }
 
@@ -108,18 +108,18 @@ def build_training_model(
     """fp32 master weights on the device, blocks wrapped for AC and compile, then fully_shard.
 
     `shard=False` (one process only) skips FSDP2 and runs the forward under autocast instead.
-    `runtime_extra`: more model runtime options (`tandem.models.RUNTIME_OPTIONS`) from the command's config.
+    `runtime_extra`: more `tandem.models.ModelRuntime` fields from the command's config (kernels, routing).
     """
     source_args = read_model_args(config)
     source = Path(config.model.name)
-    runtime = runtime_options(config.model, freeze_router_default=config.command == "trainer") | runtime_extra
+    runtime = ModelRuntime(**runtime_options(config.model, config.command == "trainer"), **runtime_extra)
     lora = check_lora(config, source_args)
     # With LoRA the frozen base is held in the compute dtype (no fp32 masters to update); adapters are fp32.
     dtype = DTYPES[config.model.dtype] if lora is not None else torch.float32
     if config.random_init:
-        model = build_model(source, dtype=dtype, device=world.device, seed=config.seed, **runtime)
+        model = build_model(source, dtype=dtype, device=world.device, seed=config.seed, runtime=runtime)
     else:
-        model = load_model(source, dtype=dtype, device=world.device, **runtime)
+        model = load_model(source, dtype=dtype, device=world.device, runtime=runtime)
     if lora is not None:
         apply_lora(model, lora, seed=config.seed)
     args: ModelArgs = model.args

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..hf_layout import Fused, HFLayout, WeightMap, param_kinds, same_names
+from ..runtime import ModelRuntime
 from .kv_cache import CacheBatch, KVCache
 from .norm import RMSNorm
 from .rope import ROPE_BACKENDS, check_rope_backend, rotate_leading
@@ -181,10 +183,10 @@ class Attention(nn.Module):
     same size (HF's `q_proj` layout); the attention output is multiplied by `sigmoid(gate)` before `o_proj`.
     """
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
-        check_rope_backend(args.rope_backend)
-        self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, args.rope_backend
+        check_rope_backend(runtime.rope_backend)
+        self.layer_idx, self.head_dim, self.rope_backend = layer_idx, args.head_dim, runtime.rope_backend
         self.gated, self.rope_free = args.attn_output_gate, args.rope_free
         self.sizes = (
             args.num_heads * args.head_dim * (2 if self.gated else 1),
@@ -197,6 +199,19 @@ class Attention(nn.Module):
         centered = args.zero_centered_norm
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, centered) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, centered) if args.qk_norm else None
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """`q_proj`, `k_proj`, `v_proj` fused into `qkv_proj` (+ bias; gated: `q_proj` holds the gate rows too),
+        `o_proj` (+ bias) and the qk-norms under HF's names."""
+        kv_size = args.num_kv_heads * args.head_dim
+        q_size = args.num_heads * args.head_dim * (2 if args.attn_output_gate else 1)
+        out = {
+            f"qkv_proj.{kind}": Fused((tuple(f"{p}_proj.{kind}" for p in "qkv"),), (q_size, kv_size, kv_size))
+            for kind in param_kinds(args.attention_bias)
+        }
+        out |= same_names(*(f"o_proj.{kind}" for kind in param_kinds(args.attention_out_bias)))
+        return out | same_names(*(f"{n}.weight" for n in (("q_norm", "k_norm") if args.qk_norm else ())))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnInputs) -> torch.Tensor:
         """`x` `[B, S, hidden]`, cos/sin `[B, S, rotary_dim]` -> `[B, S, hidden]` (cache path: B == 1, packed)."""

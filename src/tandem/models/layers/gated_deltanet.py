@@ -15,7 +15,7 @@ then `norm(o, z)` (RMSNorm times `silu(z)`) and `out_proj`.
 Two equal forms of the recurrence, both in fp32: `recurrent_gated_delta_rule` (token by token: the reference and
 the decode step) and `chunk_gated_delta_rule` (chunks of 64: matmuls within a chunk, a scan over chunks;
 transformers' `torch_chunk_gated_delta_rule`), for training and prefill. The scan over chunks is
-`SCAN_BACKENDS[args.delta_scan_backend]`: a Python loop (`delta_chunk_scan`) or one Triton launch each way
+`SCAN_BACKENDS[runtime.delta_scan_backend]`: a Python loop (`delta_chunk_scan`) or one Triton launch each way
 (`tandem.kernels.delta_scan`, `speed.delta_scan_kernel`).
 
 Documents. Packed rows must behave as their documents run separately. Both forms take `resets` `[B, S]` (True
@@ -32,7 +32,7 @@ Cached steps (prefill chunks and decode, `StateCache`): the step's packed tokens
 (`CacheBatch.unpack_index`), the conv continues from the cached last inputs and the recurrence from the cached
 state; padded slots get `g = 0` and `beta = 0`, so they leave the state unchanged and the final state is the one
 after each sequence's last token. A decode step (one token each) hands the cache's state tensor itself to
-`STEP_BACKENDS[args.delta_scan_backend]`, which advances every sequence's state in its slot.
+`STEP_BACKENDS[runtime.delta_scan_backend]`, which advances every sequence's state in its slot.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..hf_layout import Fused, HFLayout, WeightMap, same_names
+from ..runtime import ModelRuntime
 from .norm import GatedRMSNorm
 from .state_cache import read_slots, write_slots
 
@@ -241,11 +243,11 @@ class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer, HF parameter names (`linear_attn.*`): `in_proj_qkvz`, `in_proj_ba`,
     `conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj`. Same call as the attention modules."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         la = args.linear
         assert la is not None
-        self.layer_idx, self.chunk_size, self.scan = layer_idx, la.chunk_size, args.delta_scan_backend
+        self.layer_idx, self.chunk_size, self.scan = layer_idx, la.chunk_size, runtime.delta_scan_backend
         self.flat_projections, self.conv_dim = la.flat_projections, la.conv_dim
         self.num_k_heads, self.num_v_heads = la.num_k_heads, la.num_v_heads
         self.k_head_dim, self.v_head_dim = la.k_head_dim, la.v_head_dim
@@ -257,6 +259,20 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(la.num_v_heads))
         self.norm = GatedRMSNorm(la.v_head_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, args.hidden_size, bias=False)
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """HF's names and layouts; Qwen3.5's separate input projections (`LinearAttnArgs.flat_projections`) are
+        concatenated into `in_proj_qkvz` (`in_proj_qkv`, `in_proj_z`) and `in_proj_ba` (`in_proj_b`, `in_proj_a`)."""
+        la = args.linear
+        assert la is not None
+        out = same_names("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+        if not la.flat_projections:
+            return out | same_names("in_proj_qkvz.weight", "in_proj_ba.weight")
+        qkvz = tuple(f"in_proj_{p}.weight" for p in ("qkv", "z"))
+        out["in_proj_qkvz.weight"] = Fused((qkvz,), (la.conv_dim, la.num_v_heads * la.v_head_dim))
+        out["in_proj_ba.weight"] = Fused((tuple(f"in_proj_{p}.weight" for p in "ba"),), (la.num_v_heads,) * 2)
+        return out
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """transformers' init for the decay parameters: `dt_bias` ones, `A_log = log(U(0.01, 16))`."""

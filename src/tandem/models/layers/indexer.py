@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..hf_layout import HFLayout, WeightMap, nest, same_names
+from ..runtime import ModelRuntime
 from .attention import AttnInputs, attend_cached, sdpa
 from .kv_cache import CacheBatch, KVCache
 from .mla import MLAttention
@@ -97,6 +99,10 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(index.head_dim, eps=INDEX_NORM_EPS)
         self.weights_proj = nn.Linear(args.hidden_size, index.num_heads, bias=False)
 
+    @staticmethod
+    def hf_weights() -> WeightMap:
+        return same_names("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
     def forward(
         self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_backend: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,11 +131,16 @@ def _allowed(attn: AttnInputs, batch: int, seq: int, device: torch.device) -> to
 class SparseMLAttention(MLAttention):
     """MLA whose every query attends only to the keys its `indexer` selects (module docstring)."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
-        super().__init__(args, layer_idx)
-        check_index_backend(args.index_backend)
-        self.index_backend = args.index_backend
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
+        super().__init__(args, layer_idx, runtime)
+        check_index_backend(runtime.index_backend)
+        self.index_backend = runtime.index_backend
         self.indexer = Indexer(args)
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """MLA's tensors and the indexer's (`indexer.*`), under HF's names."""
+        return MLAttention.hf_weights(args, layout) | nest("indexer.", Indexer.hf_weights())
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """`allowed` `[B, S, T]` narrowed to each query's top-k keys by indexer score."""

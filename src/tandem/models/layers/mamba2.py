@@ -13,7 +13,7 @@ then the gated grouped RMSNorm (`x * silu(z)` first, then normalised per group; 
 Two equal forms, fp32: `recurrent_ssd` (token by token: the reference and the decode step) and `chunk_ssd` (SSD:
 within a chunk a masked attention-like product, between chunks the same over chunk states: one matmul by the
 decays between every pair of chunks, no loop; transformers' `mamba2_chunk_scan`), for training and prefill. The
-within-chunk part is `SSD_BACKENDS[args.ssd_backend]`: torch einsums over `[L, L]` scores, or Triton kernels that
+within-chunk part is `SSD_BACKENDS[runtime.ssd_backend]`: torch einsums over `[L, L]` scores, or Triton kernels that
 keep those tiles in registers (`tandem.kernels.ssd`, `speed.ssd_kernel`).
 
 Documents: as `layers.gated_deltanet`, both forms take `resets` `[B, S]` (True at a document start and at every
@@ -22,7 +22,7 @@ and the chunked form masks intra-chunk decays between segments, lets the incomin
 before the chunk's first start, and carries out of a chunk only its last segment. Cached steps unpack the step's
 tokens per sequence and continue from the slot's conv inputs and SSM state (`StateCache`); padded positions get
 `dt = 0`, which leaves the state unchanged. A decode step advances each state in its slot through
-`SSD_STEP_BACKENDS[args.ssd_backend]`.
+`SSD_STEP_BACKENDS[runtime.ssd_backend]`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..hf_layout import HFLayout, WeightMap, same_names
+from ..runtime import ModelRuntime
 from .gated_deltanet import causal_conv, next_conv_state
 from .norm import GroupedGatedRMSNorm
 from .state_cache import read_slots, write_slots
@@ -193,11 +195,11 @@ class Mamba2(nn.Module):
     """The Mamba-2 token mixer, HF parameter names (`mixer.*`): `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
     `norm`, `out_proj`. Same call as the attention modules."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         m = args.mamba
         assert m is not None
-        self.layer_idx, self.dt_limit, self.ssd = layer_idx, m.dt_limit, args.ssd_backend
+        self.layer_idx, self.dt_limit, self.ssd = layer_idx, m.dt_limit, runtime.ssd_backend
         self.chunk_size = m.chunk_size if self.ssd == "torch" else KERNEL_CHUNK
         self.num_heads, self.head_dim, self.n_groups, self.state_size = (
             m.num_heads,
@@ -221,6 +223,16 @@ class Mamba2(nn.Module):
         self.D = nn.Parameter(torch.ones(m.num_heads))
         self.norm = GroupedGatedRMSNorm(self.inner, m.n_groups, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.inner, args.hidden_size, bias=m.proj_bias)
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """HF's names and layouts, unchanged."""
+        m = args.mamba
+        assert m is not None
+        names = ["in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"]
+        names += ["conv1d.bias"] if m.conv_bias else []
+        names += ["in_proj.bias", "out_proj.bias"] if m.proj_bias else []
+        return same_names(*names)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """transformers' init: `A_log = log(1..H)`, `D` ones, `dt_bias` the inverse softplus of a log-uniform dt in

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from ..config import ModelArgs
+from ..hf_layout import HFLayout, WeightMap, same_names
+from ..runtime import ModelRuntime
 from .attention import AttnInputs, attend, attend_cached
 from .kv_cache import CacheBatch, KVCache
 from .norm import RMSNorm
@@ -29,13 +31,13 @@ LATENT_NORM_EPS = 1e-6  # HF builds `q_a_layernorm` and `kv_a_layernorm` with th
 class MLAttention(nn.Module):
     """MLA with HF's parameter names; `cos`/`sin` cover the `qk_rope_head_dim` RoPE part only."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> None:
         super().__init__()
         if args.mla is None:
             raise ValueError("MLAttention needs ModelArgs.mla")
-        check_rope_backend(args.rope_backend)
+        check_rope_backend(runtime.rope_backend)
         mla = self.mla = args.mla
-        self.layer_idx, self.num_heads, self.rope_backend = layer_idx, args.num_heads, args.rope_backend
+        self.layer_idx, self.num_heads, self.rope_backend = layer_idx, args.num_heads, runtime.rope_backend
         self.scale = softmax_scale(args.rope, mla.qk_head_dim)
         hidden, q_size = args.hidden_size, args.num_heads * mla.qk_head_dim
         self.q_proj = nn.Linear(hidden, q_size, bias=False) if mla.q_lora_rank is None else None
@@ -51,6 +53,24 @@ class MLAttention(nn.Module):
             mla.kv_lora_rank, args.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(args.num_heads * mla.v_head_dim, hidden, bias=args.attention_out_bias)
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """The projections and latent norms, unfused, under HF's names."""
+        assert args.mla is not None
+        low_rank_q = args.mla.q_lora_rank is not None
+        names = [
+            *(("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight") if low_rank_q else ("q_proj.weight",)),
+            "kv_a_proj_with_mqa.weight",
+            "kv_a_layernorm.weight",
+            "kv_b_proj.weight",
+            "o_proj.weight",
+        ]
+        if args.attention_bias:
+            names += [*(("q_a_proj.bias",) if low_rank_q else ()), "kv_a_proj_with_mqa.bias"]
+        if args.attention_out_bias:
+            names.append("o_proj.bias")
+        return same_names(*names)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """All heads' queries `[..., H * qk_head_dim]`, directly or through the normed low-rank bottleneck."""

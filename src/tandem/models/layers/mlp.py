@@ -9,6 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelArgs
+from ..hf_layout import Fused, WeightMap, param_kinds, plain, same_names
+from ..runtime import ModelRuntime
+
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for the fused projection's output `[..., 2I]`; `[..., I]`."""
@@ -22,6 +26,8 @@ SWIGLU_BACKENDS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"torch": s
 
 
 class GatedMLP(nn.Module):
+    """`down_proj(silu(gate) * up)` with `gate_up_proj` fused; the decoder's dense MLP and a MoE's shared expert."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "torch") -> None:
         super().__init__()
         if activation not in SWIGLU_BACKENDS:
@@ -32,6 +38,16 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(SWIGLU_BACKENDS[self.activation](self.gate_up_proj(x)))
+
+    @staticmethod
+    def hf_weights(intermediate_size: int, bias: bool) -> WeightMap:
+        """HF's `gate_proj` and `up_proj` fused into `gate_up_proj` (gate rows first); `down_proj`."""
+        out = {}
+        for kind in param_kinds(bias):
+            gate_up = (f"gate_proj.{kind}", f"up_proj.{kind}")
+            out[f"gate_up_proj.{kind}"] = Fused((gate_up,), (intermediate_size, intermediate_size))
+            out[f"down_proj.{kind}"] = plain(f"down_proj.{kind}")
+        return out
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu2": lambda x: F.relu(x).square()}
@@ -51,3 +67,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *_: object) -> torch.Tensor:
         return self.down_proj(ACTIVATIONS[self.activation](self.up_proj(x)))
+
+    @staticmethod
+    def mixer(args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> MLP:
+        """Nemotron-H's `mlp` layers: `intermediate_size`, `mlp_bias`, `mlp_activation`."""
+        return MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, activation=args.mlp_activation)
+
+    @staticmethod
+    def hf_weights(bias: bool) -> WeightMap:
+        """`up_proj`, `down_proj` under HF's names."""
+        return same_names(*(f"{p}_proj.{kind}" for p in ("up", "down") for kind in param_kinds(bias)))

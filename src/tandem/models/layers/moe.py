@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelArgs
+from ..hf_layout import Fused, HFLayout, WeightMap, nest, plain
+from ..runtime import ModelRuntime
 from .mlp import ACTIVATIONS, MLP, GatedMLP, swiglu
 from .precision import autocast_dtype
 
@@ -374,6 +377,62 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out.reshape(shape)
+
+    @staticmethod
+    def mixer(args: ModelArgs, layer_idx: int, runtime: ModelRuntime) -> MoE:
+        """The MoE of `args.moe` at layer `layer_idx`, with the run's backend and router choices."""
+        moe = args.moe
+        assert moe is not None
+        return MoE(
+            args.hidden_size,
+            moe.intermediate_size,
+            moe.num_experts,
+            moe.top_k,
+            moe.norm_topk_prob,
+            backend=runtime.moe_backend_for(layer_idx),
+            freeze_router=runtime.freeze_router,
+            balanced_routing=runtime.moe_balanced_routing,
+            shared_intermediate_size=moe.shared_intermediate_size,
+            shared_activation=runtime.swiglu_backend,
+            shared_expert_gate=moe.shared_expert_gate,
+            expert_activation=moe.expert_activation,
+            scoring=moe.scoring,
+            score_correction_bias=moe.score_correction_bias,
+            n_group=moe.n_group,
+            topk_group=moe.topk_group,
+            scaling_factor=moe.routed_scaling_factor,
+        )
+
+    @staticmethod
+    def hf_weights(args: ModelArgs, layout: HFLayout) -> WeightMap:
+        """Router (+ correction bias) from HF's `gate`, the experts stacked from per-expert tensors (or read
+        stacked, `layout.stacked_experts`), the shared expert and its gate; names from `layout`."""
+        moe = args.moe
+        assert moe is not None
+        out = {"router.weight": plain(layout.router)}
+        if moe.score_correction_bias:
+            out["router.e_score_correction_bias"] = plain(layout.router_bias)
+        if moe.shared_intermediate_size:
+            gated = moe.expert_activation == "swiglu"  # else ungated, as its experts
+            shared = GatedMLP.hf_weights(moe.shared_intermediate_size, False) if gated else MLP.hf_weights(False)
+            out |= nest("shared_experts.", shared, layout.shared_experts)
+        if moe.shared_intermediate_size and moe.shared_expert_gate:
+            out["shared_expert_gate.weight"] = plain(layout.shared_expert_gate)
+        gate, up, down = (layout.expert.replace("{proj}", proj) for proj in layout.expert_projs)
+        experts = range(moe.num_experts)
+        stacked_down = Fused(tuple((down.format(expert=e),) for e in experts), stacked=True)
+        if moe.expert_activation != "swiglu":  # ungated experts (Nemotron-H), stored one by one
+            out["experts.up_proj"] = Fused(tuple((up.format(expert=e),) for e in experts), stacked=True)
+            return out | {"experts.down_proj": stacked_down}
+        if layout.stacked_experts:
+            return out | {
+                "experts.gate_up_proj": plain(layout.stacked_gate_up),
+                "experts.down_proj": plain(layout.stacked_down),
+            }
+        size = moe.intermediate_size
+        pairs = tuple((gate.format(expert=e), up.format(expert=e)) for e in experts)
+        out["experts.gate_up_proj"] = Fused(pairs, (size, size), stacked=True)
+        return out | {"experts.down_proj": stacked_down}
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """`[T, H]`: each token's chosen experts, weighted and summed (expert parallelism overrides this)."""
