@@ -90,7 +90,9 @@ def test_chat_rows_need_a_chat_template(tiny_model_dir, reverse_text_jsonl, tmp_
 
 def test_rl_checks_the_model_path_before_starting_any_process(tmp_path, capsys):
     capsys.readouterr()
-    code = main(["rl", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "out")])
+    sources = tmp_path / "sources.toml"
+    sources.write_text('[[orchestrator.source]]\nid = "reverse_text"\n')  # sources are checked first
+    code = main(["rl", "--model", str(tmp_path / "missing"), "@", str(sources), "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "model.name" in err and "no such directory" in err, err
     assert not (tmp_path / "out").exists()
