@@ -165,7 +165,9 @@ def fake_hub(hub_cache, monkeypatch) -> Iterator[FakeHub]:
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
         monkeypatch.setattr(
-            huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+            huggingface_hub.constants,
+            "HUGGINGFACE_CO_URL_TEMPLATE",
+            server.url + "/{repo_id}/resolve/{revision}/{filename}",
         )
         yield hub
 

@@ -34,7 +34,9 @@ class RlProgress:
             if record.get("kind") == "eval":
                 if record.get("step", 0) > self.start_step:
                     logger.info(
-                        "eval at step %d: %s", record["step"], {k: v for k, v in record.items() if k.endswith("/reward")}
+                        "eval at step %d: %s",
+                        record["step"],
+                        {k: v for k, v in record.items() if k.endswith("/reward")},
                     )
             elif isinstance(record.get("step"), int):
                 self.rollouts[record["step"]] = record

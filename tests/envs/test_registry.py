@@ -71,7 +71,11 @@ def test_register_an_id(user_module):
 @pytest.mark.parametrize(
     ("target", "error", "message"),
     [
-        ("gsm8", ValueError, r"unknown taskset id 'gsm8'; did you mean 'gsm8k'\?.*registered: arithmetic, calculator, count_shapes, gsm8k"),
+        (
+            "gsm8",
+            ValueError,
+            r"unknown taskset id 'gsm8'; did you mean 'gsm8k'\?.*registered: arithmetic, calculator, count_shapes, gsm8k",
+        ),
         ("nothing_like_it", ValueError, r"unknown taskset id 'nothing_like_it'; registered: .*pkg.module:Class"),
         ("no_such_pkg.tasks:X", ImportError, r"cannot import module 'no_such_pkg.tasks'"),
         ("{mod}:Missing", ImportError, r"has no attribute 'Missing'"),

@@ -81,7 +81,9 @@ class Simulation:
                 self.times.append(self.clock.now)
                 latency = self.clock.now - request.sent
                 overload = self.fault(self.clock.now)
-                self.controller.record(Feedback(request.sent, latency, overload=overload, queue_depth=len(self.waiting)))
+                self.controller.record(
+                    Feedback(request.sent, latency, overload=overload, queue_depth=len(self.waiting))
+                )
                 self.limits.append(self.controller.limit)
                 self._send()
         return self

@@ -117,7 +117,9 @@ def _oid(data: bytes) -> str:
 
 
 def _error(status: int, code: str, message: str) -> Response:
-    return JSONResponse({"error": message}, status_code=status, headers={"X-Error-Code": code, "X-Error-Message": message})
+    return JSONResponse(
+        {"error": message}, status_code=status, headers={"X-Error-Code": code, "X-Error-Message": message}
+    )
 
 
 def use_hub_home(home: Path, monkeypatch: pytest.MonkeyPatch, *, offline: bool = True) -> Path:

@@ -26,9 +26,7 @@ class SelectWarning(UserWarning):
 
 def _matches(task_filter: TaskFilter, task: Task) -> bool:
     """Whether `task` is one of the filter's idx ranges, ids or names."""
-    return (
-        task.id in task_filter.ids or task.name in task_filter.names or any(task.idx in r for r in task_filter.idx)
-    )
+    return task.id in task_filter.ids or task.name in task_filter.names or any(task.idx in r for r in task_filter.idx)
 
 
 def _in_load_order(tasks: Iterable[Task]) -> Iterator[Task]:

@@ -65,7 +65,9 @@ def _evaluate(node: ast.AST) -> int | float:
         if isinstance(node.op, ast.Pow) and (
             abs(right) > MAX_EXPONENT or (isinstance(left, int) and int(left).bit_length() * abs(right) > MAX_BITS)
         ):
-            raise ToolError(f"Error: the power is too large (exponents up to {MAX_EXPONENT}, results up to ~4000 digits).")
+            raise ToolError(
+                f"Error: the power is too large (exponents up to {MAX_EXPONENT}, results up to ~4000 digits)."
+            )
         value = _BINARY[type(node.op)](left, right)
         if isinstance(value, int) and value.bit_length() > MAX_BITS:
             raise ToolError("Error: the result has more than ~4000 digits.")
