@@ -63,10 +63,10 @@ def test_a_cancelled_request_stops_after_its_image_and_a_queued_one_never_starts
         await asyncio.sleep(0)
         running.cancel()
         queued.cancel()
-        images.release.set()  # the image in hand finishes
-        for task in (running, queued):
+        for task in (running, queued):  # the cancellations land (the jobs are told to stop) before the image ends
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        images.release.set()  # the image in hand finishes
         while images.active:  # the running job's thread winds down
             await asyncio.sleep(0.01)
         work.close()
