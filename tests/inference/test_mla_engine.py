@@ -10,7 +10,13 @@ import httpx
 import pytest
 import torch
 
-from support.inference import assert_on_policy, engine_config, random_prompts, trainer_logprobs
+from support.inference import (
+    assert_greedy_agrees_up_to_ties,
+    assert_on_policy,
+    engine_config,
+    random_prompts,
+    trainer_logprobs,
+)
 from support.model_parity import DEEPSEEK_V3, GLM4_MOE, hf_greedy, hf_load, write_servable_model
 from support.polling import wait_until
 from tandem.inference.cuda_graphs import GraphedDecoder
@@ -149,7 +155,8 @@ def test_the_triton_decode_step_is_refused_with_the_reason(family, reason, famil
 def test_cuda_graphs_give_the_eager_tokens(family, family_dir):
     """Decode replayed from CUDA graphs over the key-only (MLA) or partial-rotary cache, overlapped steps on:
     the eager engine's tokens. In bf16, where the MoE layers' grouped GEMMs capture (in fp32 they fall back to a
-    per-expert loop that reads counts on the host, and every bucket would run eagerly)."""
+    per-expert loop that reads counts on the host, and every bucket would run eagerly). A graph's attention reads
+    its bucket's padded key capacity, so where two logits tie within bf16 rounding the rows may part."""
     from transformers import AutoTokenizer
 
     path = family_dir(family)
@@ -170,4 +177,4 @@ def test_cuda_graphs_give_the_eager_tokens(family, family_dir):
                 assert engine.stats().overlapped_steps > 0
         finally:
             engine.stop()
-    assert results[True] == results[False]
+    assert_greedy_agrees_up_to_ties(model.eval(), prompts, results[True], results[False], k=2)

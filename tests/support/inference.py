@@ -1,5 +1,5 @@
 """What the inference tests share: engine configs, the inference server on a thread, a toolchain guard, random
-prompts, and the trainer's scoring of what an engine sampled (the RL mismatch check)."""
+prompts, the trainer's scoring of what an engine sampled (the RL mismatch check), and greedy agreement up to ties."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from support.servers import AppThread
+from support.tolerance import eps
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
@@ -78,3 +79,31 @@ def assert_on_policy(diffs: list[torch.Tensor]) -> None:
     d = torch.cat(diffs)
     kl = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(inference || trainer)
     assert kl < 1e-6 and d.abs().max() < 1e-4, f"mismatch KL {kl:.2e}, max |diff| {d.abs().max():.2e}"
+
+
+def assert_greedy_agrees_up_to_ties(
+    model: torch.nn.Module, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]], k: float
+) -> int:
+    """Two computations of the same greedy decode (compiled and eager, graphed and eager) give the same tokens,
+    except where two logits tie within rounding: at a row's first difference, a forward of `model` over the prompt
+    and the tokens both rows share must put both tokens within `k` ulps (of the model's dtype) of its largest logit,
+    on either side. After a tie the rows legitimately part. A wrong computation parts at a clear winner (a random
+    tiny model's top two are ~0.1 apart, thousands of fp32 ulps) and fails. Returns how many rows parted at a tie."""
+    ties = 0
+    for row, (prompt, a, b) in enumerate(zip(prompts, got, expected, strict=True)):
+        assert len(a) == len(b), f"row {row}: {len(a)} tokens, expected {len(b)}"
+        split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if split is None:
+            continue
+        param = next(model.parameters())
+        ids = torch.tensor([prompt + b[:split]], device=param.device)
+        with torch.no_grad():
+            logits = model(ids)[0, -1].double()
+        bound = k * eps(param.dtype, param.device) * logits.abs().max().item()
+        top = logits.max().item()
+        gaps = {token: top - logits[token].item() for token in (a[split], b[split])}
+        assert max(gaps.values()) <= bound, (
+            f"row {row} parts at token {split} without a tie: below the top logit by {gaps}, bound {bound:.2e}"
+        )
+        ties += 1
+    return ties
