@@ -14,7 +14,7 @@ from support.model_parity import hf_greedy
 from support.polling import wait_until
 from support.tiny_models import INIT_STD
 from support.tolerance import K_REORDERED
-from tandem.inference.decode import decode_inputs, decode_step
+from tandem.inference.decode import EagerDecoder, decode_inputs, decode_step
 from tandem.inference.outputs import Collector, RequestUpdate
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.weights import read_weights
@@ -229,6 +229,29 @@ def test_compiled_decode_step_gives_the_same_tokens(model_dir, make_engine):
     model = load_model(model_dir("qwen3"), dtype=torch.float32).eval()
     tokens = [[s[0].token_ids for s in samples] for samples in (got, expected)]
     assert_greedy_agrees_up_to_ties(model, prompts, *tokens, k=K_REORDERED)
+
+
+def test_a_compiled_step_never_sees_a_batch_of_one(model_dir, make_engine):
+    """Size 1 would be a second, specialised compilation (one that writes the KV cache wrong on torch 2.11's CPU
+    inductor): a compiled engine pads a lone row with a scratch row, and the row's logits are the unpadded ones."""
+    assert make_engine(compile=True).runner.decoder.min_rows == 2
+    model = load_model(model_dir("qwen3"), dtype=torch.float32).eval()
+    a = model.args
+    seen: list[int] = []
+
+    def step(model, cache, inputs):
+        seen.append(inputs.shape[0])
+        return decode_step(model, cache, inputs)
+
+    logits = []
+    for decoder_options in ({}, {"step": step, "min_rows": 2}):
+        cache = KVCache(a.num_layers, 8, 16, a.num_kv_heads, a.head_dim)
+        prompt = _prompts(1, a.vocab_size, seed=7)[0]
+        with torch.no_grad():
+            model.prefill(torch.tensor(prompt), cache, cache.batch([len(prompt)], [0], [[1, 2]]))
+            logits.append(EagerDecoder(model, cache, **decoder_options)([prompt[-1]], [len(prompt)], [[1, 2]]))
+    assert seen == [2] and logits[1].shape == logits[0].shape == (1, a.vocab_size)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
 
 
 def test_greedy_agreement_allows_only_ties(model_dir, make_engine):
