@@ -89,13 +89,12 @@ def assert_greedy_agrees_up_to_ties(
     and the tokens both rows share must put both tokens within `k` ulps (of the model's dtype) of its largest logit,
     on either side. After a tie the rows legitimately part. A wrong computation parts at a clear winner (a random
     tiny model's top two are ~0.1 apart, thousands of fp32 ulps) and fails. Returns how many rows parted at a tie."""
-    ties = 0
+    ties, param = 0, next(model.parameters())
     for row, (prompt, a, b) in enumerate(zip(prompts, got, expected, strict=True)):
         assert len(a) == len(b), f"row {row}: {len(a)} tokens, expected {len(b)}"
         split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         if split is None:
             continue
-        param = next(model.parameters())
         ids = torch.tensor([prompt + b[:split]], device=param.device)
         with torch.no_grad():
             logits = model(ids)[0, -1].double()

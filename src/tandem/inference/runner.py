@@ -132,14 +132,14 @@ class Runner:
     def _decoder(self) -> EagerDecoder | GraphedDecoder:
         step = self._decode_step()
         compiled = step is not decode_step and step is not fused_decode_step
+        # Compiled, a batch of 1 would be a second compilation (size 1 is always specialised, see EagerDecoder);
+        # a padded row costs next to nothing in a memory-bound step.
+        smallest = 2 if compiled else 1
         if self.config.cuda_graphs and self.device.type == "cuda":
             max_blocks = -(-self.max_model_len // self.config.block_size)
-            # Compiled, a batch of 1 would be a second compilation (size 1 is always specialised, see
-            # EagerDecoder); a padded row costs next to nothing in a memory-bound step.
-            smallest = 2 if compiled else 1
             sizes = [max(b, smallest) for b in self.config.cuda_graph_batch_sizes if b <= self.config.max_running]
             return GraphedDecoder(self.model, self.cache, sizes, max_blocks, step, self.state)
-        return EagerDecoder(self.model, self.cache, step, self.state, min_rows=2 if compiled else 1)
+        return EagerDecoder(self.model, self.cache, step, self.state, min_rows=smallest)
 
     def _decode_step(self) -> StepFunction:
         """The Triton step where asked (auto: on CUDA with triton installed), else the module step, compiled if asked."""
