@@ -26,7 +26,7 @@ class FakePool:
     async def wait_healthy(self):
         pass
 
-    async def generate(self, prompt_ids, sampling, n, seed):
+    async def generate(self, prompt_ids, sampling, n):
         from tandem.client import RequestError
 
         group, self.groups = self.groups, self.groups + 1
@@ -116,8 +116,8 @@ class CollapsingPool(FakePool):
 
     collapse_at = 6
 
-    async def generate(self, prompt_ids, sampling, n, seed):
-        completions = await super().generate(prompt_ids, sampling, n, seed)
+    async def generate(self, prompt_ids, sampling, n):
+        completions = await super().generate(prompt_ids, sampling, n)
         return completions if self.groups <= self.collapse_at else [completions[-1]] * n
 
 
@@ -137,9 +137,9 @@ class LengthRecordingPool(FakePool):
 
     longest_prompt = 0
 
-    async def generate(self, prompt_ids, sampling, n, seed):
+    async def generate(self, prompt_ids, sampling, n):
         self.longest_prompt = max(self.longest_prompt, len(prompt_ids) + sampling.max_tokens)
-        return await super().generate(prompt_ids, sampling, n, seed)
+        return await super().generate(prompt_ids, sampling, n)
 
 
 LONG = {"min_words": 60, "max_words": 60}  # a reverse_text prompt of ~340 tokens with the tiny tokenizer
@@ -164,7 +164,7 @@ def test_prompts_too_long_for_seq_len_are_skipped_before_sampling(tiny_model_dir
 
 
 def test_a_run_whose_prompts_are_all_too_long_stops_with_a_clear_error(tiny_model_dir, tmp_path):
-    from tandem.orchestrator.main import PromptsTooLong
+    from tandem.orchestrator.rollouts import PromptsTooLong
 
     config = make_config(tmp_path, tiny_model_dir("qwen3"), source=[{"id": "reverse_text", "args": LONG}])
     pool = LengthRecordingPool(None)

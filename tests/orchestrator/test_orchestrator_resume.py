@@ -31,7 +31,8 @@ class SeededPool:
     async def wait_healthy(self):
         pass
 
-    async def generate(self, prompt_ids, sampling, n, seed):
+    async def generate(self, prompt_ids, sampling, n):
+        seed = sampling.seed
         await asyncio.sleep(0.002 * (seed % 4))  # finish out of draw order
         text = self.tokenizer.decode(prompt_ids).split("\n\n")[-1].split("<|im_end|>")[0]
         right = self.tokenizer(text[::-1] + "<|im_end|>", add_special_tokens=False)["input_ids"]

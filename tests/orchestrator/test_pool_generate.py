@@ -16,6 +16,7 @@ from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
 from tandem.models import load_model
 from tandem.orchestrator.pool import InferencePool, _completion
+from tandem.orchestrator.rollouts import sampling_params
 from tandem.wire.codec import MEDIA_TYPE, unpack
 from tandem.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams
 
@@ -63,11 +64,11 @@ def start(tiny_model_dir, tmp_path):
 
 def test_the_pool_gets_the_json_routes_completions_over_msgpack(start):
     pool, transport = start(eos_ids=set())
-    sampling = RolloutSamplingConfig(temperature=1.0, top_k=7, max_tokens=6)
+    sampling = sampling_params(RolloutSamplingConfig(temperature=1.0, top_k=7), max_tokens=6, seed=3)
 
     async def both():
         try:
-            completions = await pool.generate(PROMPT, sampling, n=4, seed=3)
+            completions = await pool.generate(PROMPT, sampling, n=4)
             request = GenerateRequest(
                 prompt_token_ids=PROMPT, n=4, sampling=SamplingParams(top_k=7, max_tokens=6, seed=3)
             )
@@ -97,11 +98,11 @@ def test_the_pool_gets_the_json_routes_completions_over_msgpack(start):
 def test_the_pool_passes_ignore_eos_to_the_server(start, ignore_eos):
     """Every token is EOS here: a completion is one token long unless the pool says to ignore EOS."""
     pool, transport = start()
-    sampling = RolloutSamplingConfig(max_tokens=5, ignore_eos=ignore_eos)
+    sampling = sampling_params(RolloutSamplingConfig(ignore_eos=ignore_eos), max_tokens=5, seed=1)
 
     async def generate():
         try:
-            return await pool.generate(PROMPT, sampling, n=2, seed=1)
+            return await pool.generate(PROMPT, sampling, n=2)
         finally:
             await pool.close()
 

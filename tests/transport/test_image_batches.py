@@ -13,7 +13,10 @@ IMAGE = 9
 
 def _sample(prompt: list[int], images: tuple[str, ...], spans: tuple[tuple[int, int], ...]) -> TrainSample:
     completion = [IMAGE, 5]  # a completion may sample the placeholder id: it is text, not an image
-    return TrainSample(prompt, completion, [-1.0] * 2, 1.0, 0.1, 1.0, [0] * 2, images=images, image_spans=spans)
+    return TrainSample(
+        prompt_ids=prompt, completion_ids=completion, logprobs=[-1.0] * 2, advantage=1.0, weight=0.1,
+        temperature=1.0, versions=[0] * 2, images=images, image_spans=spans,
+    )  # fmt: skip
 
 
 def test_image_references_and_placeholders_survive_a_batch_file(tmp_path):

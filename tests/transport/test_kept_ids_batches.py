@@ -19,7 +19,10 @@ VOCAB = 5000
 def sample(prompt: list[int], kept: list[list[int]] | None) -> TrainSample:
     n = len(kept) if kept is not None else 3
     completion = [(kept[j][0] if kept and kept[j] else 7) for j in range(n)]
-    return TrainSample(prompt, completion, [-1.0] * n, 1.0, 0.1, 1.0, [0] * n, kept)
+    return TrainSample(
+        prompt_ids=prompt, completion_ids=completion, logprobs=[-1.0] * n, advantage=1.0, weight=0.1,
+        temperature=1.0, versions=[0] * n, kept_ids=kept,
+    )  # fmt: skip
 
 
 def test_kept_ids_round_trip_compactly_and_rebuild_the_kept_matrix(tmp_path):
@@ -98,7 +101,12 @@ def test_kept_ids_over_the_cap_are_counted_not_listed_when_a_rollout_arrives():
     )
     completion = _completion(output)
     assert completion.kept_ids == [[1, 3], [], None]
-    samples = [TrainSample([1], completion.token_ids, completion.logprobs, 1.0, 0.1, 1.0, [0] * 3, completion.kept_ids)]
+    samples = [
+        TrainSample(
+            prompt_ids=[1], completion_ids=completion.token_ids, logprobs=completion.logprobs, advantage=1.0,
+            weight=0.1, temperature=1.0, versions=[0] * 3, kept_ids=completion.kept_ids,
+        )
+    ]  # fmt: skip
     assert replay_overflow(samples) == 1
     (micro,) = pack_batch(samples, SEQ_LEN, world_size=1)[0]
     assert micro["target_ids"][0, :3].tolist() == [3, 7, IGNORE_INDEX]

@@ -31,8 +31,10 @@ from tandem.transport.batches import (
 IGNORE_INDEX = -100
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainSample:
+    """One rollout as the trainer trains it; built by keyword (eleven fields, several alike in type)."""
+
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]  # inference logprob of each completion token

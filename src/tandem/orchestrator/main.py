@@ -25,20 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from tandem.checkpoints import checkpoints_root, list_checkpoints
-from tandem.client import RequestError
-from tandem.config.orchestrator import OrchestratorConfig, RolloutSamplingConfig
-from tandem.envs import Message, MultiTurnTaskset, Task
+from tandem.config.orchestrator import OrchestratorConfig
 from tandem.envs.sandbox import start_sandbox
-from tandem.envs.tool_env import ToolTaskset
 from tandem.files import atomic_write_text
-from tandem.images import image_refs, inline_images
 from tandem.jsonl import JsonlWriter, keep_steps_up_to
 from tandem.orchestrator.advantages import group_advantages, loss_weights
 from tandem.orchestrator.batching import TrainSample, pack_batch, replay_overflow
-from tandem.orchestrator.episodes import ChatSuffixes, TemplateSuffixError, TokenRollout, token_episode
 from tandem.orchestrator.evals import run_online_eval
-from tandem.orchestrator.pool import Completion, InferencePool
-from tandem.orchestrator.tasks import Draw, DrawLedger, TaskSampler, TrainSource, check_sources, load_sources
+from tandem.orchestrator.pool import InferencePool
+from tandem.orchestrator.rollouts import Group, Rollouts
+from tandem.orchestrator.tasks import Draw, DrawLedger, TaskSampler, check_sources, load_sources
 from tandem.run import RunError, prepare_run_dir
 from tandem.transport.batches import batch_path, write_batch
 from tandem.transport.policies import prune_policies
@@ -54,33 +50,6 @@ STATE_FILE = "orchestrator_state.json"
 PER_STEP_FILES = (ORCHESTRATOR_METRICS_FILE, ROLLOUTS_FILE)
 
 
-@dataclass
-class Group:
-    """The rollouts of one task, scored."""
-
-    draw: Draw
-    prompt_ids: list[int]
-    completions: list[Completion]
-    texts: list[str]  # each completion decoded, as it was scored
-    rewards: list[float]
-    metrics: list[dict[str, float]]
-    conversations: list[list[Message]] | None = None
-    """Multi-turn groups: each episode's messages after the prompt (replies, the environment's answers, tool calls
-    and results), as `rollouts.jsonl` shows them."""
-    images: tuple[str, ...] = ()
-    """A vision-language prompt's image references (data URLs), which the trainer reads the pixels from."""
-    image_spans: tuple[tuple[int, int], ...] = ()
-    """Each image's placeholder span in `prompt_ids`, as the server expanded it."""
-
-    @property
-    def source(self) -> TrainSource:
-        return self.draw.source
-
-    @property
-    def oldest_version(self) -> int:
-        return min((min(c.versions) for c in self.completions if c.versions), default=0)
-
-
 NO_SIGNAL_BATCHES = 20
 """Stop when this many batches' worth of groups in a row scored the same within every group (filtered out): the
 policy has collapsed (it samples one answer) or the reward never varies, and sampling more will not fill a batch."""
@@ -88,10 +57,6 @@ policy has collapsed (it samples one answer) or the reward never varies, and sam
 
 class NoLearningSignal(RunError):
     """Every recent group was filtered out for equal rewards; the message says what to check."""
-
-
-class PromptsTooLong(RunError):
-    """Every recent prompt drawn was too long for seq_len; the message names the source and the lengths."""
 
 
 @dataclass
@@ -116,162 +81,17 @@ class Orchestrator:
         self.equal_streak = 0  # groups filtered for equal rewards since the last group kept
         self.streak_rewards: Counter[float] = Counter()  # the reward each group of the streak gave every rollout
         self.kept_any = False  # whether this process has kept a group for a batch yet
-        self.long_streak = 0  # prompts too long for seq_len drawn since the last one that fit
-        self._warned_long: set[str] = set()  # sources a too-long prompt was reported for
-        self._suffixes: dict[str, ChatSuffixes] = {}
-
-    # -- producing groups -------------------------------------------------------------------------
-
-    def _prompt_ids(self, task: Task) -> list[int]:
-        text = self.tokenizer.apply_chat_template(task.messages(), tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    async def _run_group(self, draw: Draw) -> Group | None:
-        if isinstance(draw.source.taskset, MultiTurnTaskset):
-            if image_refs(draw.task.messages()):
-                raise RunError(f"{draw.source.name}: images in multi-turn rollouts are not supported yet")
-            return await self._run_episodes(draw)
-        source, task = draw.source, draw.task
-        prompt_ids = self._prompt_ids(task)
-        if not self._prompt_fits(draw, len(prompt_ids)):
-            return None
-        room = self.config.seq_len - len(prompt_ids)  # a sample is the prompt and its reply, within seq_len
-        sampling = source.config.sampling
-        if sampling.max_tokens > room:
-            sampling = sampling.model_copy(update={"max_tokens": room})
-        images = image_refs(inline_images(task.messages()))  # files an environment names, read here
-        timeout = source.taskset.timeout_s
-        seed = self.config.seed + draw.index
-        try:
-            prompt_ids, spans, completions = await asyncio.wait_for(
-                self._generate(prompt_ids, images, sampling, seed), timeout
-            )
-        except TimeoutError:
-            self.stats.dropped["timeout"] += 1
-            return None
-        except RequestError as error:
-            logger.warning("rollout group failed: %s", error)
-            self.stats.dropped["error"] += 1
-            return None
-        longest = max(len(c.token_ids) for c in completions)
-        if images and not self._prompt_fits(draw, len(prompt_ids), longest):  # with its images' tokens
-            return None
-        texts, rewards, metrics = [], [], []
-        for completion in completions:
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            score = await source.taskset.score(task, text)
-            texts.append(text)
-            rewards.append(score.reward)
-            metrics.append({**score.metrics, "truncated": float(completion.finish_reason == "length")})
-        return Group(
-            draw, prompt_ids, completions, texts, rewards, metrics, images=tuple(images), image_spans=tuple(spans)
+        self.rollouts = Rollouts(
+            tokenizer,
+            pool,
+            self.sampler.sources,
+            seq_len=config.seq_len,
+            group_size=config.group_size,
+            seed=config.seed,
+            max_long_streak=NO_SIGNAL_BATCHES * self.per_batch,
         )
 
-    async def _generate(
-        self, prompt_ids: list[int], images: list[str], sampling: RolloutSamplingConfig, seed: int
-    ) -> tuple[list[int], list[tuple[int, int]], list[Completion]]:
-        """A group's completions, with the prompt as it ran and its images' spans when it has images."""
-        if not images:
-            return prompt_ids, [], await self.pool.generate(prompt_ids, sampling, self.config.group_size, seed=seed)
-        return await self.pool.generate_with_images(prompt_ids, images, sampling, self.config.group_size, seed)
-
-    def _prompt_fits(self, draw: Draw, prompt_tokens: int, reply_tokens: int = 1) -> bool:
-        """Whether a prompt and a reply fit seq_len. A prompt that leaves no room for a reply is skipped before
-        it is sampled (a prompt whose images the server expanded, once it is), counted as
-        `dropped/prompt_too_long` and reported once per source; a run whose prompts are all too long stops with
-        `PromptsTooLong` rather than draw forever."""
-        seq_len = self.config.seq_len
-        if prompt_tokens + reply_tokens <= seq_len:
-            self.long_streak = 0
-            return True
-        self.stats.dropped["prompt_too_long"] += 1
-        self.long_streak += 1
-        name = draw.source.name
-        if self.long_streak >= NO_SIGNAL_BATCHES * self.per_batch:
-            raise PromptsTooLong(
-                f"the last {self.long_streak} prompts drawn did not fit seq_len {seq_len} with a reply "
-                f"(the last, task {draw.task.id!r} of source {name!r}, is {prompt_tokens} tokens): raise seq_len "
-                "or select shorter tasks"
-            )
-        if name not in self._warned_long:
-            self._warned_long.add(name)
-            logger.warning(
-                "source %s: the prompt of task %r is %d tokens, so with a reply it does not fit seq_len %d: "
-                "skipped, as every such prompt will be (counted as dropped/prompt_too_long); raise seq_len to "
-                "train on them",
-                name,
-                draw.task.id,
-                prompt_tokens,
-                seq_len,
-            )
-        return False
-
-    def suffixes(self, source: TrainSource) -> ChatSuffixes:
-        """The chat template's suffixes for a multi-turn source's rollouts, with its tools rendered."""
-        if source.name not in self._suffixes:
-            taskset = source.taskset
-            tools = taskset.tool_schemas() if isinstance(taskset, ToolTaskset) else None
-            parser = taskset.tool_parser if isinstance(taskset, ToolTaskset) else None
-            self._suffixes[source.name] = ChatSuffixes(self.tokenizer, tools, parser)
-        return self._suffixes[source.name]
-
-    def check_sources(self) -> None:
-        """Fail before any rollout if a multi-turn source's answers (or tools) cannot be rendered as suffixes."""
-        for source in self.sampler.sources:
-            if isinstance(source.taskset, MultiTurnTaskset):
-                try:
-                    self.suffixes(source)
-                except TemplateSuffixError as error:
-                    raise TemplateSuffixError(f"source {source.name!r}: {error}") from None
-
-    async def _run_episodes(self, draw: Draw) -> Group | None:
-        """A multi-turn group: `group_size` episodes, each generated turn by turn from its exact ids
-        (`orchestrator.episodes`). A group with a timed-out or failed episode is dropped, never trained."""
-        source, task = draw.source, draw.task
-        if not self._prompt_fits(draw, len(self.suffixes(source).prompt_ids(task.messages()))):
-            return None
-        sampling = source.config.sampling
-        base_seed = self.config.seed + draw.index
-
-        def generate_for(member: int):
-            turn = 0
-
-            async def generate(prompt_ids: list[int], max_tokens: int) -> Completion:
-                nonlocal turn
-                turn += 1
-                seed = base_seed + 7919 * (member + 1) + 104729 * turn  # distinct per member and turn, repeatable
-                limited = sampling.model_copy(update={"max_tokens": max_tokens})
-                return (await self.pool.generate(prompt_ids, limited, 1, seed=seed))[0]
-
-            return generate
-
-        episodes = [
-            token_episode(source.taskset, task, self.suffixes(source), generate_for(member), sampling.max_tokens,
-                          self.config.seq_len)
-            for member in range(self.config.group_size)
-        ]  # fmt: skip
-        try:
-            rollouts: list[TokenRollout] = await asyncio.gather(*episodes)
-        except RequestError as error:
-            logger.warning("rollout group failed: %s", error)
-            self.stats.dropped["error"] += 1
-            return None
-        if any(r.outcome == "timeout" for r in rollouts):
-            self.stats.dropped["timeout"] += 1
-            return None
-        completions = [
-            Completion(
-                r.completion_ids, r.logprobs, r.versions, "length" if r.outcome == "truncated" else "stop",
-                r.kept_ids if r.any_kept_ids else None, r.trained,
-            )
-            for r in rollouts
-        ]  # fmt: skip
-        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=False) for r in rollouts]
-        metrics = [
-            {**r.metrics, "truncated": float(r.outcome == "truncated"), "turns": float(r.turns)} for r in rollouts
-        ]
-        rewards = [r.reward for r in rollouts]
-        return Group(draw, rollouts[0].prompt_ids, completions, texts, rewards, metrics, [r.messages for r in rollouts])
+    # -- producing groups -------------------------------------------------------------------------
 
     def _bucket(self, step: int) -> asyncio.Queue[Group | BaseException]:
         return self.buckets.setdefault(step, asyncio.Queue())
@@ -289,7 +109,7 @@ class Orchestrator:
                 self.assigned[target] += 1
                 draw = self.sampler.next()
                 self.ledger.opened(draw)
-                in_flight[asyncio.create_task(self._run_group(draw))] = target, draw
+                in_flight[asyncio.create_task(self.rollouts.roll(draw))] = target, draw
             if not in_flight:
                 await asyncio.sleep(0.01)
                 continue
@@ -301,8 +121,9 @@ class Orchestrator:
                 except BaseException as error:  # a bug, not a bad rollout: surface it
                     await self._bucket(self.filling).put(error)
                     return
-                if group is None:
-                    self.assigned[target] -= 1  # errored or timed out: sample a replacement
+                if isinstance(group, str):  # errored, timed out or too long: sample a replacement
+                    self.stats.dropped[group] += 1
+                    self.assigned[target] -= 1
                     self.ledger.settle(draw.index)
                 else:
                     await self._bucket(target).put(group)
@@ -377,31 +198,15 @@ class Orchestrator:
 
     def _samples(self, groups: list[Group]) -> tuple[list[TrainSample], list[dict]]:
         """The batch's training samples, and a record of each (its group, position in it, reward, advantage)."""
-        samples, records, prompt_of = [], [], []
         advantage = self.config.advantage
+        members, records = [], []
         for index, group in enumerate(groups):
             lengths = [len(c.token_ids) for c in group.completions]
             advantages = group_advantages(group.rewards, lengths, advantage.baseline, advantage.normalize_std)
-            temperature = group.source.config.sampling.temperature
             for member, (completion, reward, adv) in enumerate(
                 zip(group.completions, group.rewards, advantages, strict=True)
             ):
-                samples.append(
-                    TrainSample(
-                        group.prompt_ids,
-                        completion.token_ids,
-                        completion.logprobs,
-                        adv,
-                        0.0,
-                        temperature,
-                        completion.versions,
-                        completion.kept_ids,
-                        completion.trained,
-                        group.images,
-                        tuple((start, end) for start, end in group.image_spans),
-                    )
-                )
-                prompt_of.append(index)
+                members.append((index, group, completion, adv))
                 records.append(
                     {
                         "group": group,
@@ -412,10 +217,24 @@ class Orchestrator:
                         "tokens": len(completion.token_ids),
                     }
                 )
-        targets = [len(s.completion_ids) if s.trained is None else sum(s.trained) for s in samples]
-        weights = loss_weights(targets, prompt_of, advantage.aggregation)
-        for sample, weight in zip(samples, weights, strict=True):
-            sample.weight = weight
+        targets = [len(c.token_ids) if c.trained is None else sum(c.trained) for _, _, c, _ in members]
+        weights = loss_weights(targets, [index for index, *_ in members], advantage.aggregation)
+        samples = [
+            TrainSample(
+                prompt_ids=group.prompt_ids,
+                completion_ids=completion.token_ids,
+                logprobs=completion.logprobs,
+                advantage=adv,
+                weight=weight,
+                temperature=group.source.config.sampling.temperature,
+                versions=completion.versions,
+                kept_ids=completion.kept_ids,
+                trained=completion.trained,
+                images=group.images,
+                image_spans=group.image_spans,
+            )
+            for (_, group, completion, adv), weight in zip(members, weights, strict=True)
+        ]
         return samples, records
 
     def _metrics(
@@ -602,7 +421,6 @@ class Orchestrator:
         return record
 
     async def run(self, resume_step: int = 0) -> None:
-        self.check_sources()
         points = self._resume(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._open_step_files(resume_step)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tandem.client import OpenAIClient, RequestError
-from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig, RolloutSamplingConfig
+from tandem.config.orchestrator import MAX_REPLAY_KEPT, InferencePoolConfig
 from tandem.net import admin_token
 from tandem.wire.kept_ids import count_kept_ids, decode_kept_ids
 from tandem.wire.protocol import GenerateRequest, GenerateResponse, SampleOutput, SamplingParams
@@ -78,31 +78,18 @@ class InferencePool:
             if not any(self.in_flight):
                 self._idle_from = time.monotonic()
 
-    async def generate(
-        self, prompt_ids: list[int], sampling: RolloutSamplingConfig, n: int, seed: int
-    ) -> list[Completion]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Completion]:
         """n completions of one prompt from the least-loaded server."""
-        return (await self.generate_with_images(prompt_ids, [], sampling, n, seed))[2]
+        return (await self.generate_with_images(prompt_ids, [], params, n))[2]
 
     async def generate_with_images(
-        self, prompt_ids: list[int], images: list[str], sampling: RolloutSamplingConfig, n: int, seed: int
+        self, prompt_ids: list[int], images: list[str], params: SamplingParams, n: int
     ) -> tuple[list[int], list[tuple[int, int]], list[Completion]]:
         """n completions of one prompt with `images` (data URLs, one placeholder each in the prompt), the prompt
         as the server ran it (each placeholder expanded to the image's tokens) and each image's span in it."""
         index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         request = GenerateRequest(
-            prompt_token_ids=prompt_ids,
-            images=[images] if images else None,
-            n=n,
-            sampling=SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                min_p=sampling.min_p,
-                max_tokens=sampling.max_tokens,
-                ignore_eos=sampling.ignore_eos,
-                seed=seed,
-            ),
+            prompt_token_ids=prompt_ids, images=[images] if images else None, n=n, sampling=params
         )
         self.requests[index] += 1
         with self._busy(index):
