@@ -13,7 +13,7 @@ from tandem.config import ConfigError
 from tandem.config.common import LoraConfig
 from tandem.config.rl import RlConfig
 from tandem.inference.kv_budget import state_bytes
-from tandem.models import build_model, model_args
+from tandem.models import Logprobs, build_model, model_args
 from tandem.shared_gpu import (
     GIB,
     activation_bytes_per_token,
@@ -69,7 +69,7 @@ def test_activation_rule_covers_what_autograd_saves_within_2x(tmp_path):
 
         ids = torch.randint(0, 512, (1, tokens))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-            model(ids, targets=ids.roll(-1, 1), chunk_size=128)
+            model(ids, head=Logprobs(ids.roll(-1, 1), chunk_size=128))
         return sum(storages.values())
 
     measured = (saved(512) - saved(256)) / 256

@@ -24,7 +24,7 @@ from tandem.inference.engine import Engine
 from tandem.inference.fused_decode import fused_decode_supported
 from tandem.inference.main import eos_token_ids
 from tandem.inference.weights import read_weights
-from tandem.models import load_model
+from tandem.models import Logprobs, load_model
 from tandem.wire.protocol import GenerateResponse, SamplingParams
 
 FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
@@ -121,7 +121,7 @@ def test_generate_returns_prompt_logprobs_equal_to_transformers(family, family_d
         (sample,) = output.samples
         ids = torch.tensor(prompt + sample.token_ids)
         with torch.no_grad():
-            scored = trainer_model(ids[None, :-1], targets=ids[None, 1:]).logprobs[0, len(prompt) - 1 :]
+            scored = trainer_model(ids[None, :-1], head=Logprobs(ids[None, 1:])).logprobs[0, len(prompt) - 1 :]
         torch.testing.assert_close(torch.tensor(sample.logprobs), scored, atol=1e-5, rtol=0)
 
 

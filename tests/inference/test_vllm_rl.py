@@ -12,7 +12,7 @@ import torch
 from support.jsonl import read_jsonl, read_metrics
 from support.runs import tandem_rl, write_rl_sources
 from support.tiny_models import INIT_STD
-from tandem.models import load_model
+from tandem.models import Logprobs, load_model
 from tandem.transport.batches import read_batch
 
 pytestmark = [
@@ -32,13 +32,8 @@ def mismatch_kl(policy: Path, batch: list[dict]) -> float:
     log_ratios = []
     for micro in batch:
         with torch.no_grad():
-            out = model(
-                micro["input_ids"],
-                position_ids=micro["position_ids"],
-                targets=micro["target_ids"],
-                temperature=micro["temperatures"],
-                with_entropy=False,
-            )
+            head = Logprobs(micro["target_ids"], temperature=micro["temperatures"], with_entropy=False)
+            out = model(micro["input_ids"], micro["position_ids"], head=head)
         on_loss = micro["target_ids"] != -100
         log_ratios.append((out.logprobs - micro["inference_logprobs"])[on_loss].double())
     log_ratio = torch.cat(log_ratios)

@@ -137,7 +137,7 @@ def test_long_causal_and_padded_match_transformers_and_sparsity_matters(model, v
     mask[2, :6] = 0
     with torch.no_grad(), no_ties(monkeypatch):
         causal, ref_causal = model(ids), hf(ids).logits
-        padded, ref_padded = model(ids, attention_mask=mask), hf(ids, attention_mask=mask).logits
+        padded, ref_padded = model(ids, mask=mask), hf(ids, attention_mask=mask).logits
         dense = dense_copy(model)(ids)
     assert_close_scaled(causal, ref_causal, K_REFERENCE, msg="causal")
     assert_close_scaled(padded[mask.bool()], ref_padded[mask.bool()], K_REFERENCE, msg="padded")
@@ -153,7 +153,7 @@ def test_packed_matches_each_document_through_transformers(model, v32_dir, hf_mo
     lengths = [9, 11, 4]
     ids, pos = packed(lengths, 256, seed=7)
     with torch.no_grad(), no_ties(monkeypatch):
-        ours = model(ids[None], position_ids=pos[None])[0]
+        ours = model(ids[None], pos[None])[0]
         masked = hf(ids[None], position_ids=pos[None], attention_mask=hf_packed_mask(pos[None])).logits[0]
         assert_close_scaled(ours, masked, K_REFERENCE, msg="document mask")
         start = 0
@@ -193,7 +193,7 @@ def test_training_forward_has_gradients_except_the_indexer(model):
     trains through the sparse attention."""
     trained = build_model(model.args, seed=0)
     ids = torch.randint(3, 256, (2, LONG), generator=torch.Generator().manual_seed(3))
-    trained(ids, position_ids=torch.arange(LONG).repeat(2, 1)).logsumexp(-1).sum().backward()
+    trained(ids, torch.arange(LONG).repeat(2, 1)).logsumexp(-1).sum().backward()
     for name, param in trained.named_parameters():
         if ".indexer." in name or name.endswith("e_score_correction_bias"):
             assert param.grad is None, name
@@ -320,10 +320,8 @@ def test_triton_index_scores_match_torch(triton_scores, masking):
 def test_model_with_triton_index_backend_matches_torch(v32_dir, triton_scores):
     ids, pos = (t[None].to(KERNEL_DEVICE) for t in packed([9, 11, 4], 256, seed=7))
     with torch.no_grad():
-        want = load_model(v32_dir, device=KERNEL_DEVICE).eval()(ids, position_ids=pos)
-        got = load_model(v32_dir, device=KERNEL_DEVICE, runtime=ModelRuntime(index_backend="triton")).eval()(
-            ids, position_ids=pos
-        )
+        want = load_model(v32_dir, device=KERNEL_DEVICE).eval()(ids, pos)
+        got = load_model(v32_dir, device=KERNEL_DEVICE, runtime=ModelRuntime(index_backend="triton")).eval()(ids, pos)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandem.models import KVCache, ModelRuntime, load_model, reference_token_logprobs, token_logprobs
+from tandem.models import KVCache, Logprobs, ModelRuntime, load_model, reference_token_logprobs, token_logprobs
 from tandem.models.layers import attention_inputs
 from tandem.models.layers import moe as moe_module
 from tandem.models.layers.moe import MoE
@@ -33,7 +33,7 @@ def test_flex_matches_sdpa_forward_and_backward(model_dir):
         for backend in ("sdpa", "flex"):
             model = load_model(path, dtype=dtype, device="cuda", runtime=ModelRuntime(attn_backend=backend))
             ids, pos = _packed(model.args.vocab_size)
-            out = model(ids, position_ids=pos, targets=ids.roll(-1, 1))
+            out = model(ids, pos, head=Logprobs(ids.roll(-1, 1)))
             out.logprobs.sum().backward()
             results[backend, dtype] = (out.logprobs.detach(), model.layers[0].self_attn.qkv_proj.weight.grad)
     for got, want in zip(results["flex", torch.float32], results["sdpa", torch.float32], strict=True):

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from support.tolerance import assert_close_scaled
-from tandem.models import IGNORE_INDEX, cross_entropy, load_model, reference_token_logprobs, token_logprobs
+from tandem.models import (
+    IGNORE_INDEX,
+    Hidden,
+    Logprobs,
+    cross_entropy,
+    load_model,
+    reference_token_logprobs,
+    token_logprobs,
+)
 
 VOCAB, HIDDEN, TOKENS = 97, 16, 37
 
@@ -130,11 +138,11 @@ def test_model_forward_with_targets(model_dir):
     model = load_model(model_dir("qwen3"))
     ids = torch.randint(3, model.args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     targets = ids.roll(-1, dims=1)
-    out = model(ids, targets=targets, temperature=0.8, chunk_size=4)
+    out = model(ids, head=Logprobs(targets, temperature=0.8, chunk_size=4))
     logits = model(ids)
     ref = (logits.float() / 0.8).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(out.logprobs, ref, atol=1e-5, rtol=1e-5)
-    no_entropy = model(ids, targets=targets, temperature=0.8, with_entropy=False)
+    no_entropy = model(ids, head=Logprobs(targets, temperature=0.8, with_entropy=False))
     assert no_entropy.entropy is None
     torch.testing.assert_close(no_entropy.logprobs, out.logprobs, atol=1e-6, rtol=0)
-    torch.testing.assert_close(model(ids, return_hidden=True) @ model.lm_head_weight.T, logits)
+    torch.testing.assert_close(model(ids, head=Hidden()) @ model.lm_head_weight.T, logits)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import IGNORE_INDEX, fused_nll_sum, load_model, token_logprobs
+from tandem.models import IGNORE_INDEX, Logprobs, NllSum, fused_nll_sum, load_model, token_logprobs
 
 
 def _inputs(dtype: torch.dtype = torch.float32, tokens: int = 37, vocab: int = 97, hidden: int = 16):
@@ -46,11 +46,11 @@ def test_model_forward_nll_sum(model_dir):
     ids = torch.randint(3, model.args.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     targets = ids.roll(-1, dims=1)
     targets[0, :3] = IGNORE_INDEX
-    ours = model(ids, targets=targets, chunk_size=4, nll_sum=True)
+    ours = model(ids, head=NllSum(targets, chunk_size=4))
     ours.backward()
     fused = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    ref = -model(ids, targets=targets, chunk_size=4, with_entropy=False).logprobs.sum()
+    ref = -model(ids, head=Logprobs(targets, chunk_size=4, with_entropy=False)).logprobs.sum()
     ref.backward()
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-6)
     for name, p in model.named_parameters():

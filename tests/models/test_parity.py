@@ -59,4 +59,4 @@ def test_rope_scaling_matches_transformers(case, tmp_path):
     ids = torch.randint(3, model.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     pos = 1000 + torch.arange(40)[None]  # far positions, where the scaling matters (one document)
     with torch.no_grad():
-        assert_close_scaled(model(ids, position_ids=pos), hf(ids, position_ids=pos).logits, K_REFERENCE, msg=case)
+        assert_close_scaled(model(ids, pos), hf(ids, position_ids=pos).logits, K_REFERENCE, msg=case)

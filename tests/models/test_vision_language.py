@@ -138,7 +138,7 @@ def test_padded_rows_with_images_match_transformers(checkpoint):
     mask[:, :pad] = 0
     model = load_model(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
-        ours = model(padded, attention_mask=mask, images=images)[:, pad:]
+        ours = model(padded, mask=mask, images=images)[:, pad:]
     want = _hf_logits(_hf(checkpoint), padded, images, mask)[:, pad:]
     assert (ours - want).abs().max() < TOL
 

@@ -34,7 +34,7 @@ def assert_packed_rows_match_per_document(model: torch.nn.Module, hf: torch.nn.M
     rows = [packed(lengths, model.args.vocab_size, seed=r + 1) for r, lengths in enumerate(PACKED_ROWS)]
     ids, pos = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
     with torch.no_grad():
-        ours = model(ids, position_ids=pos)
+        ours = model(ids, pos)
         leaky = model(ids)
         for r, lengths in enumerate(PACKED_ROWS):
             start = 0
@@ -57,7 +57,7 @@ def assert_packed_row_equals_documents(model: torch.nn.Module, recurrent_param: 
     ids, pos = packed(PACKED_LENGTHS, vocab, seed=7)
     weights = torch.randn(sum(PACKED_LENGTHS), vocab, generator=torch.Generator().manual_seed(8))
 
-    out = model(ids[None], position_ids=pos[None])[0]
+    out = model(ids[None], pos[None])[0]
     (out * weights).sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -15,7 +15,7 @@ from support.tolerance import eps
 from tandem.config.inference import InferenceConfig
 from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
-from tandem.models import IGNORE_INDEX
+from tandem.models import IGNORE_INDEX, Logprobs
 from tandem.wire.kept_ids import decode_kept_matrix
 
 SEQ_LEN = 256
@@ -69,8 +69,9 @@ def trainer_logprobs(
     targets[: len(prompt) - 1] = IGNORE_INDEX
     kept = encoded_kept_ids if encoded_kept_ids is not None else [None] * len(tokens)
     kept_matrix = torch.tensor(decode_kept_matrix([None] * (len(prompt) - 1) + kept))
+    head = Logprobs(targets[None], temperature=temperature, kept_matrix=kept_matrix[None])
     with torch.no_grad():
-        out = model(ids[None, :-1], targets=targets[None], temperature=temperature, kept_matrix=kept_matrix[None])
+        out = model(ids[None, :-1], head=head)
     return out.logprobs[0, len(prompt) - 1 :].double()
 
 

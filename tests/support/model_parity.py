@@ -170,7 +170,7 @@ def assert_padded_parity(model: torch.nn.Module, hf: torch.nn.Module, label: str
     mask[1, 7:] = 0  # right padding
     mask[2, :4] = 0  # left padding
     with torch.no_grad():
-        ours = model(ids, attention_mask=mask)
+        ours = model(ids, mask=mask)
         ref = hf(ids, attention_mask=mask).logits
         unmasked = model(ids)
     assert_close_scaled(ours[mask.bool()], ref[mask.bool()], K_REFERENCE, msg=f"{label}: padded batch")
@@ -186,7 +186,7 @@ def assert_packed_parity(model: torch.nn.Module, hf: torch.nn.Module, label: str
     rows = [packed(lengths, model.args.vocab_size, seed=r + 1) for r, lengths in enumerate(PACKED_ROWS)]
     ids, pos = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
     with torch.no_grad():
-        ours = model(ids, position_ids=pos)
+        ours = model(ids, pos)
         ref = hf(ids, position_ids=pos, attention_mask=hf_packed_mask(pos)).logits
         leaky = hf(ids, position_ids=pos).logits
     assert_close_scaled(ours, ref, K_REFERENCE, msg=f"{label}: packed")

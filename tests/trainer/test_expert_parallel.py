@@ -47,13 +47,14 @@ def _compare(rank: int, world: int, sizes: list[int], backend: str, checkpointin
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from tandem.config import ConfigError
+    from tandem.models import NllSum
     from tandem.trainer.expert_parallel import ExpertParallelMoE, apply_expert_parallel, reduce_and_clip
     from tandem.trainer.parallel import shard_model
 
     inputs, targets = _batch(world)
     tokens = targets.numel()
     reference = _build(backend)
-    (reference(inputs, targets=targets, nll_sum=True) / tokens).backward()
+    (reference(inputs, head=NllSum(targets)) / tokens).backward()
     reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
     reference_grads = {name: p.grad for name, p in reference.named_parameters()}
     mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
@@ -66,12 +67,12 @@ def _compare(rank: int, world: int, sizes: list[int], backend: str, checkpointin
             for index, block in enumerate(model.layers):
                 model.layers[index] = checkpoint_wrapper(block, preserve_rng_state=False)
         shard_model(model, "float32")
-        nll = model(inputs[mine], targets=targets[mine], nll_sum=True)
+        nll = model(inputs[mine], head=NllSum(targets[mine]))
         (nll * world / tokens).backward()  # as the trainers do: FSDP (and reduce_and_clip) average over ranks
         norm = reduce_and_clip(model, 1e9)
         loss = nll.detach().clone()
         dist.all_reduce(loss)
-        torch.testing.assert_close(loss / tokens, reference(inputs, targets=targets, nll_sum=True).detach() / tokens)
+        torch.testing.assert_close(loss / tokens, reference(inputs, head=NllSum(targets)).detach() / tokens)
         torch.testing.assert_close(norm, reference_norm, rtol=1e-5, atol=0)
         for name, grad in _full_grads(model).items():
             torch.testing.assert_close(grad, reference_grads[name], rtol=1e-4, atol=1e-6, msg=f"ep {size}: {name}")

@@ -1,4 +1,4 @@
-"""fused_policy_loss equals token_logprobs + policy_loss (the reference path) in value, metrics and gradients."""
+"""FusedPolicyLoss equals token_logprobs + policy_loss (the reference path) in value, metrics and gradients."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tandem.config.trainer import LossConfig
-from tandem.models import IGNORE_INDEX, load_model, token_logprobs
-from tandem.models.logprobs import _kept_mask
-from tandem.trainer.fused_loss import PolicyTokens, _compiled, _logit_grad_, _scores, fused_policy_loss
+from tandem.models import IGNORE_INDEX, Hidden, load_model, token_logprobs
+from tandem.models.logprobs import kept_mask
+from tandem.trainer.fused_loss import FusedPolicyLoss, PolicyTokens, _compiled, _logit_grad_, _scores
 from tandem.trainer.loss import LossInputs, policy_loss
 
 VOCAB, HIDDEN, TOKENS, K = 97, 16, 37, 6
@@ -74,9 +74,9 @@ def _reference(hidden, weight, tokens: PolicyTokens, config: LossConfig, with_en
     return loss, metrics, out.logprobs.detach()
 
 
-def _run(fn, hidden, weight, *args, scale: float = 0.37):
+def _run(head, hidden, weight, scale: float = 0.37):
     hidden, weight = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss, metrics, logprobs = fn(hidden, weight, *args)
+    loss, metrics, logprobs = head(hidden, weight)
     grad_hidden, grad_weight = torch.autograd.grad(loss * scale, (hidden, weight))
     return loss.detach(), metrics, logprobs, grad_hidden, grad_weight
 
@@ -102,7 +102,7 @@ def test_matches_reference(config, kl_coef):
     tokens.kept_matrix[OUTSIDE_ROW] = (tokens.targets[OUTSIDE_ROW] + 1 + torch.arange(K)) % VOCAB
     tokens.kept_matrix[OUTSIDE_ROW, 2:] = -1
     tokens.weights[OUTSIDE_ROW] = 0.0  # such a token is never sampled; here it is only carried through
-    ours = _run(fused_policy_loss, hidden, weight, tokens, config, 8)
+    ours = _run(FusedPolicyLoss(tokens, config, 8), hidden, weight)
     ref = _run(lambda h, w: _reference(h, w, tokens, config, True), hidden, weight)
     assert ours[2][OUTSIDE_ROW] == -torch.inf and (ours[2][IGNORED] == 0).all()
     # w = 0 times that token's infinite k3 is NaN on both paths (and so is the loss with kl_coef > 0 or cispo)
@@ -117,7 +117,7 @@ def test_matches_reference_on_sampled_tokens(config, chunk_size, with_entropy):
     """Every target among its kept ids (as sampling guarantees): value, every metric, both gradients."""
     config = config.model_copy(update={"kl_coef": 0.05})
     hidden, weight, tokens = _tensors(seed=1)
-    ours = _run(fused_policy_loss, hidden, weight, tokens, config, chunk_size, with_entropy)
+    ours = _run(FusedPolicyLoss(tokens, config, chunk_size, with_entropy), hidden, weight)
     ref = _run(lambda h, w: _reference(h, w, tokens, config, with_entropy), hidden, weight)
     names = {"masked_low", "masked_high", "mismatch_kl", "ratio", "clip_fraction"}
     assert set(ours[1]) == set(ref[1]) == (names | {"entropy"} if with_entropy else names)
@@ -142,7 +142,7 @@ def test_no_kept_ids():
     tokens.kept_matrix = None
     config = LossConfig(kl_coef=0.1)
     _assert_same(
-        _run(fused_policy_loss, hidden, weight, tokens, config, 16),
+        _run(FusedPolicyLoss(tokens, config, 16), hidden, weight),
         _run(lambda h, w: _reference(h, w, tokens, config, True), hidden, weight),
     )
 
@@ -152,7 +152,7 @@ def test_autocast_bf16_close_to_fp32_reference():
     hidden, weight, tokens = _tensors(seed=1)
     config = LossConfig(type="cispo", kl_coef=0.05)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = _run(fused_policy_loss, hidden, weight, tokens, config, 8)
+        ours = _run(FusedPolicyLoss(tokens, config, 8), hidden, weight)
     ref = _run(lambda h, w: _reference(h, w, tokens, config, True), hidden, weight)
     assert ours[0].dtype == ours[3].dtype == ours[4].dtype == torch.float32
     torch.testing.assert_close(ours[0], ref[0], rtol=3e-2, atol=1e-2)
@@ -164,26 +164,26 @@ def test_autocast_bf16_close_to_fp32_reference():
 def test_backward_runs_once():
     hidden, weight, tokens = _tensors()
     hidden.requires_grad_(True)
-    loss, _, _ = fused_policy_loss(hidden, weight, tokens, LossConfig(), 8)
+    loss, _, _ = FusedPolicyLoss(tokens, LossConfig(), 8)(hidden, weight)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="runs once"):
         loss.backward()
 
 
 def test_through_the_model_head(tiny_model_dir):
-    """`CausalLM(..., head=...)` gives every parameter the reference path's gradient."""
+    """`CausalLM(..., head=FusedPolicyLoss(...))` gives every parameter the reference path's gradient."""
     model = load_model(tiny_model_dir("qwen3"))
     ids = torch.randint(3, model.args.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        hidden = model(ids, return_hidden=True)[0]
+        hidden = model(ids, head=Hidden())[0]
     tokens = _tokens(hidden, model.lm_head_weight, torch.Generator().manual_seed(6))
     config = LossConfig(type="ppo", ppo_clip=0.1, kl_coef=0.05)
 
-    loss, metrics, _ = model(ids, head=lambda h, w: fused_policy_loss(h, w, tokens, config, 8))
+    loss, metrics, _ = model(ids, head=FusedPolicyLoss(tokens, config, 8))
     loss.backward()
     fused = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    ref_loss, ref_metrics, _ = _reference(model(ids, return_hidden=True)[0], model.lm_head_weight, tokens, config, True)
+    ref_loss, ref_metrics, _ = _reference(model(ids, head=Hidden())[0], model.lm_head_weight, tokens, config, True)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(metrics, ref_metrics, rtol=1e-5, atol=1e-6)
@@ -198,18 +198,18 @@ def test_compiled_chunk_kernels_match_eager(kept):
     give the eager results; compiled here for the CPU, the same graphs."""
     hidden, weight, tokens = _tensors()
     logits = hidden @ weight.T
-    kept_mask = _kept_mask(tokens.kept_matrix, VOCAB) if kept else None
+    mask = kept_mask(tokens.kept_matrix, VOCAB) if kept else None
     targets, temperatures = tokens.targets.clamp_min(0), tokens.temperatures
     scores, logit_grad_ = _compiled()
     for with_entropy in (True, False):
-        want = _scores(logits, temperatures, kept_mask, targets, with_entropy)
+        want = _scores(logits, temperatures, mask, targets, with_entropy)
         torch.testing.assert_close(
-            scores(logits, temperatures, kept_mask, targets, with_entropy), want, rtol=1e-5, atol=1e-6
+            scores(logits, temperatures, mask, targets, with_entropy), want, rtol=1e-5, atol=1e-6
         )
     lse, grad = want[1], torch.randn(TOKENS, generator=torch.Generator().manual_seed(3))
     compiled, eager = logits.clone(), logits.clone()
-    logit_grad_(compiled, temperatures, kept_mask, targets, lse, grad)
-    _logit_grad_(eager, temperatures, kept_mask, targets, lse, grad)
+    logit_grad_(compiled, temperatures, mask, targets, lse, grad)
+    _logit_grad_(eager, temperatures, mask, targets, lse, grad)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
 
 
@@ -223,9 +223,9 @@ def test_cuda_bf16_close_to_fp32_reference(autocast):
     ref = _run(lambda h, w: _reference(h, w, tokens, config, True), hidden.cuda(), weight.cuda())
     if autocast:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            ours = _run(fused_policy_loss, hidden.cuda(), weight.cuda(), tokens, config, 8)
+            ours = _run(FusedPolicyLoss(tokens, config, 8), hidden.cuda(), weight.cuda())
     else:
-        ours = _run(fused_policy_loss, hidden.cuda().bfloat16(), weight.cuda().bfloat16(), tokens, config, 8)
+        ours = _run(FusedPolicyLoss(tokens, config, 8), hidden.cuda().bfloat16(), weight.cuda().bfloat16())
     torch.testing.assert_close(ours[0], ref[0], rtol=3e-2, atol=1e-2)
     torch.testing.assert_close(ours[2], ref[2], rtol=3e-2, atol=5e-2)
     torch.testing.assert_close(ours[3].float(), ref[3], rtol=5e-2, atol=5e-3)

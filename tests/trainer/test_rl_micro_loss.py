@@ -11,7 +11,7 @@ import torch
 from support.rl_samples import SEQ_LEN, make_samples
 from tandem.config.orchestrator import MAX_REPLAY_KEPT
 from tandem.config.trainer import TrainerConfig
-from tandem.models import load_model
+from tandem.models import Logprobs, load_model
 from tandem.orchestrator.batching import pack_batch
 from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.rl import LAG_NAMES, micro_batch_loss
@@ -112,8 +112,8 @@ def test_positions_off_the_loss_add_exactly_nothing(tiny_model_dir, loss):
     for micro in micros:
         on = micro["target_ids"] != -100
         kept_matrix = kept_matrix_from_csr(micro[KEPT_COUNTS], micro[KEPT_IDS_FLAT], model.args.vocab_size)
-        out = model(micro["input_ids"], micro["position_ids"], targets=micro["target_ids"],
-                    temperature=micro["temperatures"], kept_matrix=kept_matrix)  # fmt: skip
+        head = Logprobs(micro["target_ids"], temperature=micro["temperatures"], kept_matrix=kept_matrix)
+        out = model(micro["input_ids"], micro["position_ids"], head=head)
         inputs = LossInputs(out.logprobs[on], micro["inference_logprobs"][on], micro["advantages"][on],
                             micro["loss_weights"][on], out.entropy[on])  # fmt: skip
         value, metrics = policy_loss(config.loss, inputs)

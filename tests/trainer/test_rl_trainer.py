@@ -12,7 +12,7 @@ from support.jsonl import read_metrics
 from support.rl_samples import SEQ_LEN, make_samples
 from support.runs import run_to_end, tandem_command
 from tandem.config.trainer import TrainerConfig
-from tandem.models import load_model
+from tandem.models import Logprobs, load_model
 from tandem.orchestrator.batching import pack_batch
 from tandem.trainer.rl import micro_batch_loss
 from tandem.transport.batches import KEPT_COUNTS, KEPT_IDS_FLAT, read_batch, write_batch
@@ -141,8 +141,8 @@ def test_csr_kept_ids_give_the_loss_of_the_kept_matrix(tiny_model_dir):
             padded.view(-1, width)[index, :count] = torch.tensor(flat[start : start + count])
             start += count
         on = micro["target_ids"] != -100
-        out = model(micro["input_ids"], micro["position_ids"], targets=micro["target_ids"],
-                    temperature=micro["temperatures"], kept_matrix=padded)  # fmt: skip
+        head = Logprobs(micro["target_ids"], temperature=micro["temperatures"], kept_matrix=padded)
+        out = model(micro["input_ids"], micro["position_ids"], head=head)
         inputs = LossInputs(out.logprobs[on], micro["inference_logprobs"][on], micro["advantages"][on],
                             micro["loss_weights"][on])  # fmt: skip
         policy_loss(config.loss, inputs)[0].backward()

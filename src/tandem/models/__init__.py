@@ -18,6 +18,7 @@ from .checkpoint import (
 )
 from .config import ModelArgs, ModelConfigError, MoEArgs, RopeArgs, read_hf_config
 from .decoder import CausalLM, DecoderBlock, weight_map
+from .heads import Head, Hidden, Logits, Logprobs, NllSum
 from .hf_layout import Fused, HFLayout
 from .layers import MOE_BACKENDS, AttnInputs, CacheBatch, KVCache, StateBatch, StateCache
 from .logprobs import IGNORE_INDEX, TokenLogprobs, cross_entropy, reference_token_logprobs, token_logprobs
@@ -36,12 +37,17 @@ __all__ = [
     "DecoderBlock",
     "Fused",
     "HFLayout",
+    "Head",
+    "Hidden",
     "KVCache",
+    "Logits",
+    "Logprobs",
     "MoEArgs",
     "ModelArgs",
     "ModelConfigError",
     "ModelRuntime",
     "ModelWeightsError",
+    "NllSum",
     "OutsideDirectoryError",
     "RopeArgs",
     "StateBatch",

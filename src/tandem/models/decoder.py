@@ -14,6 +14,9 @@ Parameter names follow Hugging Face's (without the `model.` prefix) except the r
 `gate_up_proj`, the MoE `router` and stacked `experts`. `weight_map` puts the modules' own maps (`hf_weights`) together
 under their blocks; `checkpoint.py` reads and writes through it.
 
+`CausalLM.forward` returns `head(hidden, lm_head_weight)`, called inside the forward (`heads`: logits by
+default, hidden states, token logprobs, SFT's summed NLL; RL's fused policy loss is a head of the trainer).
+
 Vision-language models (`args.vision_config`, Qwen3-VL) add a vision tower (`visual`, `layers.vision`): a forward
 given `Images` replaces each image's placeholder tokens' embeddings by the tower's output, adds its DeepStack
 features to the hidden states after the first decoder layers, and rotates by M-RoPE positions
@@ -24,12 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from .config import ModelArgs
+from .heads import LOGITS, Head
 from .hf_layout import HFLayout, WeightMap, nest, plain, same_names
 from .layers.attention import Attention, AttnInputs, attention_inputs
 from .layers.gated_deltanet import GatedDeltaNet
@@ -45,9 +49,9 @@ from .layers.qwen2_5_vision import Qwen2_5VisionArgs, Qwen2_5VisionEncoder
 from .layers.rope import RotaryEmbedding, mrope_positions
 from .layers.state_cache import StateBatch, StateCache
 from .layers.vision import Qwen3VisionEncoder, VisionArgs
-from .logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
-from .nll_sum import fused_nll_sum
 from .runtime import ModelRuntime
+
+T = TypeVar("T")
 
 
 def _attention_class(args: ModelArgs) -> type[Attention] | type[MLAttention]:
@@ -308,73 +312,46 @@ class CausalLM(nn.Module):
         return VisualFeatures(mask, embeds, tuple(deepstack))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.lm_head_weight.T
+        """Logits of hidden states `[..., H]` (inference's prefill and decode)."""
+        return LOGITS(hidden, self.lm_head_weight)
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
         *,
-        return_hidden: bool = False,
-        targets: torch.Tensor | None = None,
-        temperature: float | torch.Tensor = 1.0,
-        kept_matrix: torch.Tensor | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        with_entropy: bool = True,
-        nll_sum: bool = False,
-        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         images: Images | None = None,
-    ) -> Any:
-        """Score a batch `[B, S]`; returns logits `[B, S, V]` unless asked otherwise.
+        head: Head[T] = LOGITS,
+    ) -> T:
+        """Score a batch `[B, S]`: `head(hidden [B, S, H], lm_head_weight [V, H])`, logits `[B, S, V]` by default.
 
-        position_ids: restart at each packed document; attention stays inside documents. Default: 0..S-1.
-        attention_mask: `[B, S]`, 0 for padding (padding never affects real tokens).
-        return_hidden: return final hidden states `[B, S, H]` instead of logits.
-        targets: return `TokenLogprobs` of these ids (chunked; full logits are never formed) with the given
-            temperature / kept_matrix (see `logprobs.token_logprobs`) — the training path. SFT can skip the
-            entropy with `with_entropy=False`.
-        nll_sum: with targets (temperature 1, no kept_matrix), return SFT's summed NLL as a scalar instead, its
-            gradient formed in the same chunked pass (see `nll_sum.fused_nll_sum`).
-        head: return `head(hidden [B*S, H], lm_head_weight [V, H])` instead, e.g. RL's fused policy loss
-            (`trainer.fused_loss`). Called here, inside the forward, where FSDP has the LM head unsharded.
+        positions: restart at each packed document; attention stays inside documents. Default: 0..S-1.
+        mask: `[B, S]`, 0 for padding (padding never affects real tokens).
         images: the batch's images (vision-language models): their features replace the placeholder tokens and
             positions become M-RoPE's.
+        head: what the forward returns (`heads`: `Logits`, `Hidden`, `Logprobs` of targets, SFT's `NllSum`;
+            RL's fused policy loss is the trainer's). Called here, inside the forward, where FSDP has the LM head
+            unsharded.
         """
         batch, seq = input_ids.shape
         args = self.args
-        attn = attention_inputs(
-            self.runtime.attn_backend, input_ids.device, position_ids, attention_mask, args.attention_head_dims
-        )
+        attn = attention_inputs(self.runtime.attn_backend, input_ids.device, positions, mask, args.attention_head_dims)
         visual = None
         if images is not None:
             visual = self.visual_features(input_ids, images)
             merge = self.visual.args.spatial_merge_size
             rope_positions = mrope_positions(
-                input_ids, self.args.image_token_id, images.grid_thw, merge, position_ids, attention_mask, visual.mask
+                input_ids, self.args.image_token_id, images.grid_thw, merge, positions, mask, visual.mask
             )
-        elif position_ids is None:
+        elif positions is None:
             rope_positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         else:
-            rope_positions = position_ids
+            rope_positions = positions
         hidden = self.hidden_states(input_ids, rope_positions, attn, visual)
         if visual is None and self._vision_trains():
             hidden = hidden + self._idle_vision(hidden.dtype)
-        if head is not None:
-            return head(hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight)
-        if targets is not None and nll_sum:
-            return fused_nll_sum(hidden, self.lm_head_weight, targets, chunk_size=chunk_size)
-        if targets is not None:
-            return token_logprobs(
-                hidden,
-                self.lm_head_weight,
-                targets,
-                temperature=temperature,
-                kept_matrix=kept_matrix,
-                chunk_size=chunk_size,
-                with_entropy=with_entropy,
-            )
-        return hidden if return_hidden else self.compute_logits(hidden)
+        return head(hidden, self.lm_head_weight)
 
     def prefill(
         self,

@@ -26,13 +26,13 @@ class TokenLogprobs(NamedTuple):
     entropy: torch.Tensor | None  # fp32 entropy of the (tempered, renormalised) distribution, or None
 
 
-def _kept_mask(kept_matrix: torch.Tensor, vocab: int) -> torch.Tensor:
+def kept_mask(kept_matrix: torch.Tensor, vocab: int) -> torch.Tensor:
     """The kept mask, bool `[rows, vocab]`, of a kept matrix `[rows, K]` (kept ids padded with -1); a row with no
     ids keeps the whole vocab."""
     padded = kept_matrix.masked_fill(kept_matrix < 0, vocab)
-    kept_mask = torch.zeros(kept_matrix.shape[0], vocab + 1, dtype=torch.bool, device=kept_matrix.device)
-    kept_mask = kept_mask.scatter_(1, padded, True)[:, :vocab]
-    return kept_mask | (kept_matrix < 0).all(dim=1, keepdim=True)
+    mask = torch.zeros(kept_matrix.shape[0], vocab + 1, dtype=torch.bool, device=kept_matrix.device)
+    mask = mask.scatter_(1, padded, True)[:, :vocab]
+    return mask | (kept_matrix < 0).all(dim=1, keepdim=True)
 
 
 def _chunk_logits(
@@ -42,7 +42,7 @@ def _chunk_logits(
     z = (hidden @ weight.T).float()
     z = z.div_(temperature[:, None])
     if kept_matrix is not None:
-        z = z.masked_fill_(~_kept_mask(kept_matrix, weight.shape[0]), float("-inf"))
+        z = z.masked_fill_(~kept_mask(kept_matrix, weight.shape[0]), float("-inf"))
     return z
 
 
@@ -51,9 +51,9 @@ def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
 
 
-# Entries whose probability is exactly 0 in fp32 (logp below about -104, and -inf outside the kept ids) are
-# clamped here so that `p * logp` is 0 instead of NaN; their contribution is 0 either way.
-_LOGP_FLOOR = -1e4
+LOGP_FLOOR = -1e4
+"""Where log p is clamped before `p * log p`: entries whose probability is exactly 0 in fp32 (log p below about
+-104, and -inf outside the kept ids) then give 0 instead of NaN, their contribution either way."""
 
 
 class _ChunkScores(NamedTuple):
@@ -75,7 +75,7 @@ def _score_chunk(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool, top
     if with_entropy:
         probs = z.exp()
         total = probs.sum(dim=-1, keepdim=True)
-        logp = z.sub_(total.log()).clamp_min_(_LOGP_FLOOR)
+        logp = z.sub_(total.log()).clamp_min_(LOGP_FLOOR)
         entropy = -_dot_rows(probs.div_(total), logp)
         del probs, logp
     else:
@@ -162,7 +162,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_z = logp.exp_().mul_(-g_lp)
             else:
                 probs = logp.exp()
-                coef = logp.clamp_min_(_LOGP_FLOOR).add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None]).add_(g_lp)
+                coef = logp.clamp_min_(LOGP_FLOOR).add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None]).add_(g_lp)
                 grad_z = probs.mul_(coef).neg_()
                 del probs, coef
             grad_z = grad_z.scatter_add_(1, targets[s:e, None], g_lp).div_(temperature[s:e, None])
@@ -271,8 +271,8 @@ def reference_token_logprobs(
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)
     logits = (hidden @ weight.T).float() / temperature[..., None]
     if kept_matrix is not None:
-        kept_mask = _kept_mask(kept_matrix.reshape(-1, kept_matrix.shape[-1]), weight.shape[0]).view(logits.shape)
-        logits = logits.masked_fill(~kept_mask, float("-inf"))
+        kept = kept_mask(kept_matrix.reshape(-1, kept_matrix.shape[-1]), weight.shape[0]).view(logits.shape)
+        logits = logits.masked_fill(~kept, float("-inf"))
     logp = logits.log_softmax(dim=-1)
     valid = targets != IGNORE_INDEX
     picked = logp.gather(-1, targets.masked_fill(~valid, 0)[..., None]).squeeze(-1)

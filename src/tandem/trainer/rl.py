@@ -18,10 +18,11 @@ from tandem.config import load_config
 from tandem.config.trainer import TrainerConfig
 from tandem.images import PixelEncoder
 from tandem.models.decoder import Images
+from tandem.models.heads import Logprobs
 from tandem.models.logprobs import IGNORE_INDEX
 from tandem.run import exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
-from tandem.trainer.fused_loss import PolicyTokens, fused_policy_loss
+from tandem.trainer.fused_loss import FusedPolicyLoss, PolicyLoss, PolicyTokens
 from tandem.trainer.loop import Recipe, StepBatch, build_training, run_steps, to_device
 from tandem.trainer.loss import LossInputs, k3, policy_loss
 from tandem.trainer.monitor import Monitor
@@ -109,27 +110,21 @@ def micro_batch_loss(
 
 def _policy_loss(
     model, micro: dict[str, torch.Tensor], tokens: PolicyTokens, config: TrainerConfig, images: Images | None = None
-):
-    """(loss, metrics, detached trainer logprobs `[T]`): fused into the model's head (`speed.fused_loss`), or
-    the chunked logprobs then `policy_loss`."""
+) -> PolicyLoss:
+    """The micro-batch's loss, metrics and detached trainer logprobs `[T]`: fused into the model's head
+    (`speed.fused_loss`), or the chunked logprobs then `policy_loss`."""
     chunk_size = config.loss_chunk_size
-    extra = {} if images is None else {"images": images}
     if config.speed.fused_loss:
-
-        def head(hidden: torch.Tensor, weight: torch.Tensor):
-            return fused_policy_loss(hidden, weight, tokens, config.loss, chunk_size)
-
-        return model(micro["input_ids"], micro["position_ids"], head=head, **extra)
-    kept_matrix = tokens.kept_matrix
-    out = model(
-        micro["input_ids"],
-        micro["position_ids"],
-        **extra,
-        targets=micro["target_ids"],
+        head = FusedPolicyLoss(tokens, config.loss, chunk_size)
+        return model(micro["input_ids"], micro["position_ids"], images=images, head=head)
+    targets, kept_matrix = micro["target_ids"], tokens.kept_matrix
+    head = Logprobs(
+        targets,
         temperature=micro["temperatures"],
-        kept_matrix=kept_matrix.view(*micro["target_ids"].shape, -1) if kept_matrix is not None else None,
+        kept_matrix=kept_matrix.view(*targets.shape, -1) if kept_matrix is not None else None,
         chunk_size=chunk_size,
     )
+    out = model(micro["input_ids"], micro["position_ids"], images=images, head=head)
     logprobs = out.logprobs.reshape(-1)
     inputs = LossInputs(
         logprobs=logprobs,
@@ -139,7 +134,7 @@ def _policy_loss(
         entropy=out.entropy.reshape(-1) if out.entropy is not None else None,
     )
     loss, metrics = policy_loss(config.loss, inputs)
-    return loss, metrics, logprobs.detach()
+    return PolicyLoss(loss, metrics, logprobs.detach())
 
 
 class RlRecipe(Recipe):

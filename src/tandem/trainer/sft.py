@@ -23,6 +23,7 @@ from tandem.files import atomic_write_text
 from tandem.images import ImageError, PixelEncoder
 from tandem.models import ModelArgs
 from tandem.models.decoder import Images
+from tandem.models.heads import Logprobs, NllSum
 from tandem.run import claim_run_dir, exit_code, prepare_run_dir, setup_logging
 from tandem.trainer import ckpt
 from tandem.trainer.batching import DatasetSteps, FakeSteps, balance_rows, single_documents, stack
@@ -185,15 +186,15 @@ def _micro_batch_nll(
     inputs = stack(rows, device)
     targets = inputs["target_ids"].masked_fill(~inputs["loss_mask"], -100)
     positions = None if single_documents(rows) else inputs["position_ids"]
-    extra: dict[str, Any] = {"chunk_size": config.loss_chunk_size}
+    images = None
     refs = [ref for row in rows for ref in row.images]
     if refs and pixels is not None:
         pixel_values, grid_thw = pixels.encode(refs)
-        extra["images"] = Images(pixel_values.to(device), grid_thw.to(device))
+        images = Images(pixel_values.to(device), grid_thw.to(device))
     if config.speed.fused_loss:
-        return model(inputs["input_ids"], positions, targets=targets, nll_sum=True, **extra)
-    out = model(inputs["input_ids"], positions, targets=targets, with_entropy=False, **extra)
-    return -out.logprobs.sum()
+        return model(inputs["input_ids"], positions, images=images, head=NllSum(targets, config.loss_chunk_size))
+    head = Logprobs(targets, chunk_size=config.loss_chunk_size, with_entropy=False)
+    return -model(inputs["input_ids"], positions, images=images, head=head).logprobs.sum()
 
 
 def launch(config: SftConfig) -> int:
