@@ -160,7 +160,7 @@ def test_context_room_is_the_one_context_check():
     """Both engines (engine.check, the vLLM routes) refuse a prompt that leaves no room with these words."""
     assert context_room(10, None, 16) == 6
     assert context_room(10, 6, 16) == 6
-    with pytest.raises(ValueError, match="the prompt has 16 tokens; the context is 16"):
+    with pytest.raises(ValueError, match="the prompt has 16 tokens; the maximum context length is 16"):
         context_room(16, None, 16)
     with pytest.raises(ValueError, match=r"max_tokens=7 does not fit.*at most 6 tokens"):
         context_room(10, 7, 16)

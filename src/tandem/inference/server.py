@@ -64,6 +64,7 @@ from tandem.wire.protocol import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
+from tandem.wire.token_generate import TOKEN_ROUTE, TokenGenerateRequest, token_response
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ class InferenceServer:
             Route("/v1/completions", endpoint(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", endpoint(self.chat_completions), methods=["POST"]),
             Route("/generate", endpoint(self.generate), methods=["POST"]),
+            Route(TOKEN_ROUTE, endpoint(self.token_generate), methods=["POST"]),
             Route("/update_weights", endpoint(self.admin(self.update_weights)), methods=["POST"]),
             Route("/pause", endpoint(self.admin(self.pause)), methods=["POST"]),
             Route("/resume", endpoint(self.admin(self.resume)), methods=["POST"]),
@@ -326,6 +328,17 @@ class InferenceServer:
         """Token ids in, token ids, logprobs and kept ids (the `masks` field) out; in JSON or msgpack
         (`Content-Type`, `Accept`)."""
         body = await parse(request, GenerateRequest, self.max_body_bytes, msgpack=True)
+        return encoded_response(request, await self._generate(request, body))
+
+    async def token_generate(self, request: Request) -> Response:
+        """vLLM's token-in route (`tandem.wire.token_generate`), answered by the same path as `/generate`."""
+        body = await self._parse(request, TokenGenerateRequest)
+        with refusals():
+            generate_body = body.generate_request()
+        response = await self._generate(request, generate_body)
+        return json_response(token_response(body, response, vocab_size=self.engine.vocab_size))
+
+    async def _generate(self, request: Request, body: GenerateRequest) -> GenerateResponse:
         name, adapter = self._check_model(body.model)
         params = body.sampling
         prompts, images = await self._with_images(body.prompts, body.images)
@@ -337,8 +350,7 @@ class InferenceServer:
         for output, prompt, prompt_images in zip(outputs, prompts, images, strict=True):
             if prompt_images is not None:
                 output.prompt_token_ids, output.image_spans = prompt, prompt_images.spans
-        response = GenerateResponse(model=name, policy_version=self.engine.version, outputs=outputs)
-        return encoded_response(request, response)
+        return GenerateResponse(model=name, policy_version=self.engine.version, outputs=outputs)
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)

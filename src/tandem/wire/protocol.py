@@ -167,14 +167,14 @@ def context_room(prompt_tokens: int, max_tokens: int | None, max_model_len: int)
     ValueError, with the numbers to change, when it cannot fit `max_model_len`. Every engine's one context check."""
     if prompt_tokens >= max_model_len:
         raise ValueError(
-            f"the prompt has {prompt_tokens} tokens; the context is {max_model_len} (seq_len), "
+            f"the prompt has {prompt_tokens} tokens; the maximum context length is {max_model_len} (seq_len), "
             "which leaves no room for a completion"
         )
     room = max_model_len - prompt_tokens
     if max_tokens is not None and max_tokens > room:
         raise ValueError(
-            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_tokens} tokens and the context "
-            f"is {max_model_len} (seq_len), so at most {room} tokens can be generated"
+            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_tokens} tokens and the maximum context "
+            f"length is {max_model_len} (seq_len), so at most {room} tokens can be generated"
         )
     return max_tokens or room
 

@@ -81,6 +81,7 @@ from tandem.wire.protocol import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
+from tandem.wire.token_generate import TOKEN_ROUTE, TokenGenerateRequest, token_response
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,16 @@ class RouteSettings:
 Handler = Callable[[Request, Any], Awaitable[Response]]
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptSettings:
+    """What the token route says about a prompt beyond its sampling, for vLLM's scheduler and prefix cache."""
+
+    cache_salt: str | None = None
+    """Prefix-cache entries are shared only between prompts of the same salt (verifiers salts by policy)."""
+    priority: int = 0
+    """vLLM's scheduling priority (refused by vLLM unless it runs its priority scheduler)."""
+
+
 class TandemRoutes:
     """The middleware: tandem's routes, then vLLM's app for everything else."""
 
@@ -125,6 +136,7 @@ class TandemRoutes:
         admin = AdminGuard(self.settings.admin_token)
         self.routes: dict[tuple[str, str], Handler] = {
             ("POST", "/generate"): self.generate,
+            ("POST", TOKEN_ROUTE): self.token_generate,
             ("GET", "/health"): self.health,
             ("POST", "/update_weights"): admin(self.update_weights),
             ("POST", "/pause"): admin(self.pause),
@@ -204,6 +216,22 @@ class TandemRoutes:
 
     async def generate(self, request: Request, engine: Any) -> Response:
         body = await parse(request, GenerateRequest, self.settings.max_body_bytes, msgpack=True)
+        return encoded_response(request, await self._generate(request, engine, body))
+
+    async def token_generate(self, request: Request, engine: Any) -> Response:
+        """vLLM's token-in route in the shape `renderers` parses (`tandem.wire.token_generate`), answered by the
+        same path as `/generate`; vLLM's own answer (integer-id logprobs) is one `renderers` refuses."""
+        body = await parse(request, TokenGenerateRequest, self.settings.max_body_bytes)
+        with refusals():
+            generate_body = body.generate_request()
+        prompt = PromptSettings(cache_salt=body.cache_salt, priority=body.priority)
+        response = await self._generate(request, engine, generate_body, prompt)
+        vocab_size = engine.model_config.get_vocab_size()
+        return json_response(token_response(body, response, vocab_size=vocab_size))
+
+    async def _generate(
+        self, request: Request, engine: Any, body: GenerateRequest, prompt: PromptSettings | None = None
+    ) -> GenerateResponse:
         base = self.settings.base_name
         name = check_model(body.model, self.settings.model_name, *([base] if base else []))
         lora_request = self._lora_request(request) if base and name != base else None
@@ -214,20 +242,20 @@ class TandemRoutes:
         params = body.sampling
         limits = self._limits(engine)
         with refusals():  # every prompt, before anything is sent to vLLM for any
-            for prompt in body.prompts:
-                check_prompt(prompt, params, limits, n=body.n)
+            for ids in body.prompts:
+                check_prompt(ids, params, limits, n=body.n)
         vllm_params = _vllm_sampling(params, body.n)
+        settings = prompt or PromptSettings()
         tasks = [
-            asyncio.ensure_future(self._prompt(engine, prompt, vllm_params, params, lora_request))
-            for prompt in body.prompts
+            asyncio.ensure_future(self._prompt(engine, ids, vllm_params, params, settings, lora_request))
+            for ids in body.prompts
         ]
         try:
             outputs = await unless_client_gone(request, asyncio.gather(*tasks))
         finally:  # also when one prompt failed: cancelling a vLLM request's generator aborts it
             for task in tasks:
                 task.cancel()
-        response = GenerateResponse(model=name, policy_version=await self._version(engine), outputs=outputs)
-        return encoded_response(request, response)
+        return GenerateResponse(model=name, policy_version=await self._version(engine), outputs=outputs)
 
     def _lora_request(self, request: Request) -> Any:
         """vLLM's current `LoRARequest` of the served adapter (replaced in place by `/update_weights`)."""
@@ -249,16 +277,23 @@ class TandemRoutes:
         )
 
     async def _prompt(
-        self, engine: Any, prompt: list[int], vllm_params: Any, params: SamplingParams, lora_request: Any = None
+        self,
+        engine: Any,
+        prompt: list[int],
+        vllm_params: Any,
+        params: SamplingParams,
+        settings: PromptSettings,
+        lora_request: Any = None,
     ) -> PromptOutput:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.inputs import tokens_input
 
         final = None
         request_id = f"gen-{uuid.uuid4().hex}"
+        inputs = tokens_input(prompt, cache_salt=settings.cache_salt)
         try:
             async for output in engine.generate(
-                tokens_input(prompt), vllm_params, request_id, lora_request=lora_request
+                inputs, vllm_params, request_id, lora_request=lora_request, priority=settings.priority
             ):
                 final = output
         except (VLLMClientError, ValueError) as error:
