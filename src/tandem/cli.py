@@ -86,6 +86,12 @@ COMMANDS = {
             "tandem.merge:run",
         ),
         Command(
+            "verifiers-wheels",
+            "Download the wheels verifiers' harness programs install from, for runs with no package index.",
+            "tandem.config.verifiers:VerifiersWheelsConfig",
+            "tandem.envs.verifiers:build_wheelhouse",
+        ),
+        Command(
             "dashboard",
             "A local web page over every run and eval.",
             "tandem.config.dashboard:DashboardConfig",

@@ -15,7 +15,7 @@ from tandem.config.orchestrator import InferencePoolConfig, RolloutSamplingConfi
 from tandem.inference.engine import Engine
 from tandem.inference.server import InferenceServer
 from tandem.models import load_model
-from tandem.orchestrator.pool import InferencePool, _completion
+from tandem.orchestrator.pool import InferencePool, to_completion
 from tandem.orchestrator.rollouts import sampling_params
 from tandem.wire.codec import MEDIA_TYPE, unpack
 from tandem.wire.protocol import GenerateRequest, GenerateResponse, SamplingParams
@@ -82,7 +82,7 @@ def test_the_pool_gets_the_json_routes_completions_over_msgpack(start):
     assert sent.headers["content-type"] == sent.headers["accept"] == MEDIA_TYPE
     assert unpack(sent.content)["sampling"]["seed"] == 3
     assert answered.headers["content-type"] == "application/json"
-    expected = [_completion(s) for s in GenerateResponse.model_validate(reply.data).outputs[0].samples]
+    expected = [to_completion(s) for s in GenerateResponse.model_validate(reply.data).outputs[0].samples]
     assert len(completions) == 4 and all(c.kept_ids and len(c.token_ids) == 6 for c in completions)
     for got, want in zip(completions, expected, strict=True):
         assert (got.token_ids, got.versions, got.finish_reason, got.kept_ids) == (

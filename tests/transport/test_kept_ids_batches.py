@@ -87,7 +87,7 @@ def test_top_k_above_the_replay_cap_is_a_config_error_naming_the_field():
 
 
 def test_kept_ids_over_the_cap_are_counted_not_listed_when_a_rollout_arrives():
-    from tandem.orchestrator.pool import _completion
+    from tandem.orchestrator.pool import to_completion
     from tandem.wire.kept_ids import count_kept_ids, encode_kept_ids
     from tandem.wire.protocol import SampleOutput
 
@@ -99,7 +99,7 @@ def test_kept_ids_over_the_cap_are_counted_not_listed_when_a_rollout_arrives():
     output = SampleOutput(
         token_ids=[3, 7, 4001], logprobs=[-1.0] * 3, masks=encoded, versions=[0] * 3, finish_reason="stop"
     )
-    completion = _completion(output)
+    completion = to_completion(output)
     assert completion.kept_ids == [[1, 3], [], None]
     samples = [
         TrainSample(

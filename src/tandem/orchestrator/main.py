@@ -126,6 +126,8 @@ class Orchestrator:
                     self.assigned[target] -= 1
                     self.ledger.settle(draw.index)
                 else:
+                    for outcome, count in group.failed.items():
+                        self.stats.dropped[f"rollout_{outcome}"] += count
                     await self._bucket(target).put(group)
 
     # -- assembling batches -----------------------------------------------------------------------
@@ -206,7 +208,7 @@ class Orchestrator:
             for member, (completion, reward, adv) in enumerate(
                 zip(group.completions, group.rewards, advantages, strict=True)
             ):
-                members.append((index, group, completion, adv))
+                members.append((index, group, member, completion, adv))
                 records.append(
                     {
                         "group": group,
@@ -217,11 +219,11 @@ class Orchestrator:
                         "tokens": len(completion.token_ids),
                     }
                 )
-        targets = [len(c.token_ids) if c.trained is None else sum(c.trained) for _, _, c, _ in members]
+        targets = [len(c.token_ids) if c.trained is None else sum(c.trained) for *_, c, _ in members]
         weights = loss_weights(targets, [index for index, *_ in members], advantage.aggregation)
         samples = [
             TrainSample(
-                prompt_ids=group.prompt_ids,
+                prompt_ids=group.prompt_of(member),
                 completion_ids=completion.token_ids,
                 logprobs=completion.logprobs,
                 advantage=adv,
@@ -233,7 +235,7 @@ class Orchestrator:
                 images=group.images,
                 image_spans=group.image_spans,
             )
-            for (_, group, completion, adv), weight in zip(members, weights, strict=True)
+            for (_, group, member, completion, adv), weight in zip(members, weights, strict=True)
         ]
         return samples, records
 
@@ -312,7 +314,7 @@ class Orchestrator:
             "step": step,
             "source": group.source.name,
             "task_id": group.draw.task.id,
-            "prompt": self.tokenizer.decode(group.prompt_ids),
+            "prompt": self.tokenizer.decode(group.prompt_of(member)),
             "completion": (group.conversations or group.texts)[member],
             "reward": group.rewards[member],
             "advantage": advantage,
@@ -429,6 +431,7 @@ class Orchestrator:
         followers = None
         try:
             await self.pool.wait_healthy()
+            await self.rollouts.start()
             follower = make_follower(
                 self.config.weight_transport, self.pool, self.run_dir, self.config.inference.startup_timeout_s
             )
@@ -465,6 +468,7 @@ class Orchestrator:
                 with contextlib.suppress(asyncio.CancelledError):
                     await followers
             self._close_step_files()
+            await self.rollouts.close()
             await self.pool.close()
 
 

@@ -87,25 +87,28 @@ class InferencePool:
     ) -> tuple[list[int], list[tuple[int, int]], list[Completion]]:
         """n completions of one prompt with `images` (data URLs, one placeholder each in the prompt), the prompt
         as the server ran it (each placeholder expanded to the image's tokens) and each image's span in it."""
-        index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         request = GenerateRequest(
             prompt_token_ids=prompt_ids, images=[images] if images else None, n=n, sampling=params
         )
+        output = (await self.generate_response(request)).outputs[0]
+        completions = [to_completion(sample) for sample in output.samples]
+        return output.prompt_token_ids or prompt_ids, list(output.image_spans or ()), completions
+
+    async def generate_response(self, request: GenerateRequest) -> GenerateResponse:
+        """`request` answered by the least-loaded server."""
+        index = min(range(len(self.clients)), key=self.in_flight.__getitem__)
         self.requests[index] += 1
         with self._busy(index):
             body = request.model_dump(exclude_none=True)
             reply = await self.clients[index].request("POST", "/generate", body, msgpack=True)
         # msgpack decodes to plain lists and numbers; the model checks every field the trainer relies on
-        response = GenerateResponse.model_validate(reply.data)
-        output = response.outputs[0]
-        completions = [_completion(sample) for sample in output.samples]
-        return output.prompt_token_ids or prompt_ids, list(output.image_spans or ()), completions
+        return GenerateResponse.model_validate(reply.data)
 
     async def close(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.clients))
 
 
-def _completion(sample: SampleOutput) -> Completion:
+def to_completion(sample: SampleOutput) -> Completion:
     encoded = sample.masks  # the wire's name for the encoded kept ids
     kept_ids = None
     if encoded is not None and any(e is not None for e in encoded):  # else no token was truncated

@@ -10,19 +10,24 @@ the loop that called it draws a replacement.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tandem.client import RequestError
 from tandem.config.orchestrator import RolloutSamplingConfig
 from tandem.envs import Message, MultiTurnTaskset, Task
 from tandem.envs.tool_env import ToolTaskset
+from tandem.envs.verifiers import VerifiersEnv
 from tandem.images import image_refs, inline_images
 from tandem.orchestrator.episodes import ChatSuffixes, TemplateSuffixError, TokenRollout, token_episode
 from tandem.orchestrator.pool import Completion, InferencePool
 from tandem.orchestrator.tasks import Draw, TrainSource
+from tandem.orchestrator.token_gateway import TokenGateway
+from tandem.orchestrator.verifiers_rollouts import episode_sampling, run_episodes
 from tandem.run import RunError
 from tandem.wire.protocol import SamplingParams
 
@@ -53,10 +58,17 @@ class Group:
     """A vision-language prompt's image references (data URLs), which the trainer reads the pixels from."""
     image_spans: tuple[tuple[int, int], ...] = ()
     """Each image's placeholder span in `prompt_ids`, as the server expanded it."""
+    member_prompts: list[list[int]] | None = None
+    """Groups whose members have prompts of their own (a verifiers source's branches): each member's prompt."""
+    failed: Counter[str] = field(default_factory=Counter)
+    """Rollouts of the group that do not train, by outcome (a verifiers trace that errored or timed out)."""
 
     @property
     def source(self) -> TrainSource:
         return self.draw.source
+
+    def prompt_of(self, member: int) -> list[int]:
+        return self.prompt_ids if self.member_prompts is None else self.member_prompts[member]
 
     @property
     def oldest_version(self) -> int:
@@ -97,9 +109,33 @@ class Rollouts:
         self._suffixes = {s.name: _suffixes(tokenizer, s) for s in sources if isinstance(s.taskset, MultiTurnTaskset)}
         self._long_streak = 0  # prompts too long for seq_len drawn since the last one that fit
         self._warned_long: set[str] = set()  # sources a too-long prompt was reported for
+        self._source_index = {s.name: index for index, s in enumerate(sources)}
+        verifiers = [s for s in sources if isinstance(s.taskset, VerifiersEnv)]
+        self._verifiers_envs = [s.taskset for s in verifiers]
+        self.gateway = (
+            TokenGateway(pool, [s.config.sampling for s in sources], model_name="policy", seq_len=seq_len)
+            if verifiers
+            else None
+        )
+        self._failed_streak = 0  # verifiers groups in a row with nothing to train
+        self._serving = contextlib.AsyncExitStack()
+
+    async def start(self) -> None:
+        """Bring up what the verifiers sources' episodes need: the token gateway, each env's serving resources."""
+        if self.gateway is None:
+            return
+        await self.gateway.start()
+        self._serving.push_async_callback(self.gateway.stop)
+        for env in self._verifiers_envs:
+            await self._serving.enter_async_context(env.serving())
+
+    async def close(self) -> None:
+        await self._serving.aclose()
 
     async def roll(self, draw: Draw) -> Group | DropReason:
         """The scored group of `draw`, or why it has none."""
+        if isinstance(draw.source.taskset, VerifiersEnv):
+            return await self._verifiers(draw)
         if isinstance(draw.source.taskset, MultiTurnTaskset):
             if image_refs(draw.task.messages()):
                 raise RunError(f"{draw.source.name}: images in multi-turn rollouts are not supported yet")
@@ -204,6 +240,51 @@ class Rollouts:
         ]
         rewards = [r.reward for r in rollouts]
         return Group(draw, rollouts[0].prompt_ids, completions, texts, rewards, metrics, [r.messages for r in rollouts])
+
+    async def _verifiers(self, draw: Draw) -> Group | DropReason:
+        """`group_size` verifiers episodes of the task, sampled through the gateway; each trainable branch is a
+        member (`verifiers_rollouts`). A run whose groups all fail stops, with the error, after
+        `max_long_streak` of them."""
+        assert self.gateway is not None
+        source, env = draw.source, draw.source.taskset
+        assert isinstance(env, VerifiersEnv)
+        base_url = self.gateway.base_url(self._source_index[source.name])
+        seeds = [(self.seed + draw.index) * 1_000_003 + member for member in range(self.group_size)]
+        renderer_model = self.tokenizer.name_or_path
+        contexts = [
+            env.model_context(base_url, "policy", renderer_model, episode_sampling(source.config.sampling, seed))
+            for seed in seeds
+        ]
+        results = await run_episodes(env, draw.task, contexts, seeds, self.gateway.take)
+        if results.outcomes:
+            logger.warning(
+                "source %s: %s of %d verifiers episodes' traces do not train; the last error: %s",
+                source.name,
+                dict(results.outcomes),
+                self.group_size,
+                results.last_error or "none reported",
+            )
+        if not results.members:
+            self._failed_streak += 1
+            if self._failed_streak >= self.max_long_streak:
+                raise RunError(
+                    f"source {source.name!r}: the last {self._failed_streak} groups of verifiers episodes had no "
+                    f"trace to train; the last error: {results.last_error or 'none reported'}"
+                )
+            return "timeout" if results.outcomes["timeout"] > results.outcomes["error"] else "error"
+        self._failed_streak = 0
+        members = results.members
+        completions = [m.completion for m in members]
+        return Group(
+            draw,
+            members[0].prompt_ids,
+            completions,
+            [self.tokenizer.decode(c.token_ids, skip_special_tokens=False) for c in completions],
+            [m.reward for m in members],
+            [m.metrics for m in members],
+            member_prompts=[m.prompt_ids for m in members],
+            failed=results.outcomes,
+        )
 
     def _prompt_fits(self, draw: Draw, prompt_tokens: int, reply_tokens: int = 1) -> bool:
         """Whether a prompt and a reply fit seq_len. A prompt that leaves no room for a reply is skipped before

@@ -20,6 +20,7 @@ from tandem.config.orchestrator import OrchestratorConfig, TrainSourceConfig
 from tandem.envs import Task, Taskset, apply_select, check_env, load_env, resolve_taskset, source_errors
 from tandem.envs.sandbox import start_sandbox
 from tandem.envs.tool_env import ToolTaskset
+from tandem.envs.verifiers import VerifiersEnv, check_verifiers_env
 
 
 @dataclass
@@ -29,7 +30,7 @@ class TrainSource:
 
     name: str
     config: TrainSourceConfig
-    taskset: Taskset
+    taskset: Taskset | VerifiersEnv
     tasks: Sequence[Task] | None  # finite: cycled; None: an infinite selection read lazily
     stream: Iterator[Task] | None = None
     cursor: int = 0  # tasks drawn so far
@@ -39,6 +40,7 @@ class TrainSource:
             task = self.tasks[self.cursor % len(self.tasks)]
         else:
             if self.stream is None:
+                assert isinstance(self.taskset, Taskset)  # a verifiers source's selection is always finite
                 self.stream = itertools.islice(iter(apply_select(self.taskset, self.config.select)), self.cursor, None)
             task = next(self.stream)
         self.cursor += 1
@@ -63,8 +65,8 @@ def check_sources(config: OrchestratorConfig) -> None:
     every = [*named, *((source.name, source) for source in config.eval.source)]
     for name, source in every:
         with source_errors(name):
-            check_env(source)
-    _check_tools(config, every)
+            check_verifiers_env(source) if source.verifiers is not None else check_env(source)
+    _check_tools(config, [(name, source) for name, source in every if source.verifiers is None])
 
 
 def _check_tools(config: OrchestratorConfig, sources: list[tuple[str, Any]]) -> None:
@@ -86,8 +88,13 @@ def load_sources(configs: list[TrainSourceConfig]) -> list[TrainSource]:
     for index, config in enumerate(configs):
         name = _name(configs, index)
         with source_errors(name):
-            taskset = load_env(config)
-            selected = apply_select(taskset, config.select)
+            taskset: Taskset | VerifiersEnv
+            if config.verifiers is not None:
+                taskset = VerifiersEnv.load(name, config)
+                selected: list[Task] | Iterator[Task] = taskset.select(config.select)
+            else:
+                taskset = load_env(config)
+                selected = apply_select(taskset, config.select)
             tasks = selected if isinstance(selected, list) else None
             if tasks is not None and not tasks:
                 raise ValueError("its select picks no tasks")

@@ -59,7 +59,7 @@ def _corpus(seed: int = 0, n_lines: int = 2000) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int, corpus: tuple[str, ...] | None) -> str:
+def _trained_tokenizer_json(vocab_size: int, corpus: tuple[str, ...] | None, extra_special: tuple[str, ...]) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -67,7 +67,7 @@ def _trained_tokenizer_json(vocab_size: int, corpus: tuple[str, ...] | None) -> 
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -75,18 +75,24 @@ def _trained_tokenizer_json(vocab_size: int, corpus: tuple[str, ...] | None) -> 
     return tokenizer.to_str()
 
 
-def build_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | None = None):
-    """A byte-level BPE `tokenizers.Tokenizer` trained in-process on `corpus` (default: a synthetic one)."""
+def build_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | None = None, extra_special: tuple[str, ...] = ()):
+    """A byte-level BPE `tokenizers.Tokenizer` trained in-process on `corpus` (default: a synthetic one), with
+    `SPECIAL_TOKENS` and `extra_special` (a real model's markers, for code that looks them up) as special tokens."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size, corpus))
+    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size, corpus, extra_special))
 
 
-def write_tokenizer(path: str | Path, vocab_size: int = 512, corpus: tuple[str, ...] | None = None) -> int:
+def write_tokenizer(
+    path: str | Path,
+    vocab_size: int = 512,
+    corpus: tuple[str, ...] | None = None,
+    extra_special: tuple[str, ...] = (),
+) -> int:
     """Write `tokenizer.json` and `tokenizer_config.json` (with a chat template); return the vocab size."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, corpus)
+    tokenizer = build_tokenizer(vocab_size, corpus, extra_special)
     tokenizer.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -158,13 +164,15 @@ def write_tiny_model(
     arch: TinyArchitecture = "qwen3",
     seed: int = 0,
     vocab_size: int = 512,
+    extra_special: tuple[str, ...] = (),
     **config_overrides: Any,
 ) -> Path:
-    """Write a complete HF model directory (tokenizer, config, random safetensors weights) and return it."""
+    """Write a complete HF model directory (tokenizer, config, random safetensors weights) and return it;
+    `extra_special` adds special tokens to the tokenizer (`build_tokenizer`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    actual_vocab = write_tokenizer(path, vocab_size)
+    actual_vocab = write_tokenizer(path, vocab_size, extra_special=extra_special)
     config_dict = tiny_config(arch, vocab_size=actual_vocab, **config_overrides)
     config = AutoConfig.for_model(**config_dict)
     with torch.random.fork_rng(devices=[]):

@@ -210,14 +210,17 @@ def _choice_logprobs(sample: SampleOutput, top_n: int | None) -> ChoiceLogprobs 
     return ChoiceLogprobs(content=content)
 
 
-def _sampling_mask(sample: SampleOutput, vocab_size: int) -> list[list[int]] | None:
-    if sample.masks is None:
+def _sampling_mask(sample: SampleOutput, vocab_size: int | None) -> list[list[int]] | None:
+    if sample.masks is None or vocab_size is None:
         return None
     return [decode_kept_ids(kept) if kept is not None else list(range(vocab_size)) for kept in sample.masks]
 
 
-def token_response(body: TokenGenerateRequest, response: GenerateResponse, *, vocab_size: int) -> TokenGenerateResponse:
-    """`/generate`'s answer to `body.generate_request()` in this route's shape."""
+def token_response(
+    body: TokenGenerateRequest, response: GenerateResponse, *, vocab_size: int | None
+) -> TokenGenerateResponse:
+    """`/generate`'s answer to `body.generate_request()` in this route's shape; without `vocab_size`, no
+    `sampling_mask` (for a client that keeps the kept ids another way)."""
     (output,) = response.outputs
     top_n = body.sampling_params.logprobs
     choices = [
