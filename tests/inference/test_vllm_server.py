@@ -155,6 +155,28 @@ def test_greedy_truncation_needs_no_mask_and_vllms_own_routes_still_answer(serve
     assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3
 
 
+def test_the_token_route_answers_in_the_shape_renderers_parses(server):
+    """vLLM's own `/inference/v1/generate` answers in a shape `renderers` refuses; tandem's routes answer it as
+    the built-in server does, with the same tokens and logprobs as `/generate`, and pass on cache_salt."""
+    native = server.generate([PROMPTS[0]], temperature=1.0, max_tokens=6, seed=9).outputs[0].samples[0]
+    body = {
+        "token_ids": PROMPTS[0],
+        "sampling_params": {"temperature": 1.0, "max_tokens": 6, "seed": 9, "logprobs": 1},
+        "cache_salt": "policy-0",
+        "request_id": "r-7",
+    }
+    reply = server.http.post("/inference/v1/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    (choice,) = data["choices"]
+    assert data["request_id"] == "r-7" and data["prompt_token_ids"] == PROMPTS[0]
+    assert choice["token_ids"] == native.token_ids
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in native.token_ids]
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(native.logprobs)
+    refused = server.http.post("/inference/v1/generate", json={**body, "sampling_params": {"min_tokens": 2}})
+    assert refused.status_code == 400 and "min_tokens" in refused.json()["error"]["message"]
+
+
 def test_admin_routes_need_the_token_and_pause_holds_requests(server):
     assert server.http.post("/pause").status_code == 401
     assert server.http.post("/update_weights", json={"path": "other", "version": 1}).status_code == 401

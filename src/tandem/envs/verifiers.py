@@ -7,7 +7,7 @@ here reimplements verifiers: `resolve_env_config` and `load_environment` build t
 the tasks (so tandem and `vf-eval` pick the same ones for the same `select`), and `Env.run_slot` runs each
 episode in this process, its harness talking to a model endpoint through verifiers' interception server.
 
-verifiers' subprocess runtime installs each harness program as a `uv` script. `offline_uv_environment` points
+verifiers' subprocess runtime installs each harness program as a `uv` script. `uv_environment` points
 `uv` at a wheelhouse made once, at install time (`tandem verifiers-wheels`), so that works on a machine that
 reaches no package index at run time.
 
@@ -59,24 +59,29 @@ def wheels_dir() -> Path:
     return Path(os.environ.get(WHEELS_ENV) or DEFAULT_WHEELS)
 
 
-def offline_uv_environment(wheels: Path | None = None) -> dict[str, str]:
-    """The variables under which verifiers' `uv sync --script` installs a harness program from the wheelhouse
-    alone (no index, no Python download), with this environment's `uv` on PATH; empty without a wheelhouse. A
-    variable the user set keeps its value."""
+def uv_environment(wheels: Path | None = None) -> dict[str, str]:
+    """The variables verifiers' `uv sync --script` installs each harness program under: compiled to bytecode at
+    install (a program starts once per rollout, and importing openai and mcp from source costs it a second or
+    two of CPU where bytecode is not written at run time), and, with a wheelhouse, from it alone (no index, no
+    Python download), with this environment's `uv` on PATH. A variable the user set keeps its value."""
     wheels = wheels or wheels_dir()
-    if not wheels.is_dir() or not any(wheels.glob("*.whl")):
-        return {}
+    wanted = {"UV_COMPILE_BYTECODE": "1"}
+    if wheels.is_dir() and any(wheels.glob("*.whl")):
+        wanted |= _offline(wheels)
+    found = {key: value for key, value in wanted.items() if key not in os.environ}
+    if "UV_NO_INDEX" in wanted and shutil.which("uv") is None:  # pip put `uv` beside this interpreter
+        found["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return found
+
+
+def _offline(wheels: Path) -> dict[str, str]:
     # this interpreter runs the programs: the wheelhouse's binary wheels were downloaded for it
-    wanted = {
+    return {
         "UV_NO_INDEX": "1",
         "UV_FIND_LINKS": str(wheels),
         "UV_PYTHON_DOWNLOADS": "never",
         "UV_PYTHON": sys.executable,
     }
-    found = {key: value for key, value in wanted.items() if key not in os.environ}
-    if shutil.which("uv") is None:  # pip put `uv` beside this interpreter, which may not be on PATH
-        found["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return found
 
 
 def harness_requirements() -> list[str]:
@@ -177,7 +182,7 @@ class VerifiersEnv:
     def load(cls, name: str, config: EnvConfig) -> VerifiersEnv:
         check_verifiers_env(config)
         vf = import_verifiers()
-        os.environ.update(offline_uv_environment())  # the harness programs' runtimes inherit this process's
+        os.environ.update(uv_environment())  # the harness programs' runtimes inherit this process's
         env = vf.load_environment(vf.resolve_env_config(env_data(config)))
         assert config.verifiers is not None
         return cls(name, env, config.verifiers.renderer, config.timeout_s, {})

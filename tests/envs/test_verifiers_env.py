@@ -1,0 +1,76 @@
+"""A verifiers source's tasks and config: tandem picks exactly the tasks `vf-eval` picks for the same `select`
+(both through verifiers' `Taskset.select`), and a bad source is a one-line error before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.verifiers_envs import on_path, verifiers_table
+from tandem.config import ConfigError
+from tandem.config.orchestrator import OrchestratorConfig, TrainSourceConfig
+from tandem.envs.verifiers import VerifiersEnv, uv_environment
+from tandem.orchestrator.tasks import check_sources
+
+vf = pytest.importorskip("verifiers.v1", reason="needs the verifiers extra")
+
+SELECT = {
+    "include": {"idx": "0:14"},
+    "exclude": {"names": ["word-1"], "idx": [3]},
+    "shuffle": True,
+    "seed": 5,
+    "skip": 1,
+    "limit": 6,
+}
+
+
+def test_select_picks_the_tasks_vf_eval_picks(monkeypatch):
+    on_path(monkeypatch)
+    config = TrainSourceConfig(id="vf_letters", verifiers=verifiers_table(taskset={"num_tasks": 20}), select=SELECT)
+    tasks = VerifiersEnv.load("vf_letters", config).select(config.select)
+    # what `vf-eval vf_letters --select.* ...` runs: verifiers' own env, its own SelectConfig, its own views
+    env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": "vf_letters", "num_tasks": 20}}))
+    reference = vf.SelectConfig(
+        include={"idx": ["0:14"]}, exclude={"names": ["word-1"], "idx": [3]}, shuffle=True, seed=5, skip=1, limit=6
+    )
+    expected = [task.data.idx for task in env.taskset.select(reference)]
+    assert [task.idx for task in tasks] == expected
+    assert len(expected) == 6 and expected != sorted(expected)  # shuffled, and the filters did something
+    assert not {1, 3, 5, 9, 13} & set(expected)
+
+
+@pytest.mark.parametrize(
+    ("source", "words"),
+    [
+        ({"id": "vf_nonexistent", "verifiers": {}}, "vf_nonexistent"),
+        ({"id": "vf_letters", "verifiers": verifiers_table(), "args": {"n": 1}}, "verifiers.env.taskset"),
+        ({"id": "vf_letters", "verifiers": verifiers_table(), "max_turns": 3}, "max_turns"),
+        ({"id": "vf_letters", "verifiers": {"env": {"taskset": {"id": "other"}}}}, "differs from the source id"),
+        ({"id": "vf_letters", "verifiers": {"env": {"agent": {"harness": {"id": "no_such_harness"}}}}}, "harness"),
+    ],
+)
+def test_a_bad_verifiers_source_is_a_one_line_error(monkeypatch, tmp_path, source, words):
+    on_path(monkeypatch)
+    config = OrchestratorConfig(source=[source])
+    with pytest.raises(ConfigError, match=words) as raised:
+        check_sources(config)
+    assert "\n" not in str(raised.value)
+
+
+def test_harness_programs_install_from_the_wheelhouse_alone(tmp_path, monkeypatch):
+    for name in ("UV_NO_INDEX", "UV_FIND_LINKS", "UV_PYTHON_DOWNLOADS", "UV_PYTHON", "UV_COMPILE_BYTECODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert uv_environment(tmp_path) == {"UV_COMPILE_BYTECODE": "1"}  # no wheels: uv resolves from its index
+    (tmp_path / "openai-2.0.0-py3-none-any.whl").write_bytes(b"")
+    env = uv_environment(tmp_path)
+    assert env["UV_NO_INDEX"] == "1" and env["UV_FIND_LINKS"] == str(tmp_path)
+    assert env["UV_PYTHON_DOWNLOADS"] == "never"
+    monkeypatch.setenv("UV_FIND_LINKS", "/elsewhere")
+    assert "UV_FIND_LINKS" not in uv_environment(tmp_path)  # a user's own setting wins
+
+
+def test_evals_refuse_a_verifiers_source_by_name(monkeypatch):
+    on_path(monkeypatch)
+    eval_source = {"name": "letters", "id": "vf_letters", "verifiers": verifiers_table()}
+    config = OrchestratorConfig(source=[{"id": "reverse_text"}], eval={"source": [eval_source]})
+    with pytest.raises(ConfigError, match="`tandem eval` and online evals do not run verifiers"):
+        check_sources(config)
