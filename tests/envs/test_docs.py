@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.config.orchestrator import TrainSourceConfig
 from tandem.envs import EnvConfig, apply_select, load_env
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
@@ -43,10 +44,12 @@ def test_example_environment_scores_as_documented(my_pkg):
 
 
 def test_example_toml_configs_validate(my_pkg):
-    source, select = (tomllib.loads(b) for b in blocks("toml"))
+    source, select, verifiers = (tomllib.loads(b) for b in blocks("toml"))
     config = EnvConfig.model_validate(source["env"])
     assert [t.answer for t in apply_select(load_env(config), config.select)] == ["Tokyo"]
     EnvConfig.model_validate({"id": "gsm8k", **select["env"]})
+    (training,) = verifiers["orchestrator"]["source"]
+    assert TrainSourceConfig.model_validate(training).verifiers.env["agent"]["runtime"] == {"type": "subprocess"}
 
 
 def test_the_one_file_tool_environment_runs_an_episode(tmp_path, monkeypatch):
