@@ -131,9 +131,7 @@ class VerifiersConfig(Section):
     """A verifiers (v1) environment: verifiers' own env config and the renderer its prompts are rendered with."""
 
     env: dict[str, Any] = Field(default_factory=dict)
-    """verifiers' env config, as prime-rl's `env` table: `taskset` fields, each agent's `harness` and `runtime`
-    (`agent = {harness = {id = "null"}, runtime = {type = "subprocess"}}`), `timeout`, `retries`; the taskset id is
-    the source's `id`. verifiers validates it."""
+    """verifiers' env config, as prime-rl's `env` table: `taskset` fields, each agent's `harness` and `runtime` (`agent = {harness = {id = "null"}, runtime = {type = "subprocess"}}`), `timeout`, `retries`; the taskset id is the source's `id`. verifiers validates it."""
     renderer: dict[str, Any] | None = None
     """A `renderers` RendererConfig (e.g. {name = "qwen3"}); unset: chosen from the model by renderers."""
 
@@ -142,8 +140,7 @@ class EnvConfig(Section):
     """An environment source: which taskset, built how, which of its tasks, and per-rollout limits."""
 
     id: str
-    """Registered taskset id (e.g. "gsm8k") or import path "pkg.module:Class"; with `verifiers`, the verifiers
-    taskset id (an installed package or a module on the path, as `vf-eval` takes it)."""
+    """Registered taskset id (e.g. "gsm8k") or import path "pkg.module:Class"; with `verifiers`, the verifiers taskset id (an installed package or a module on the path, as `vf-eval` takes it)."""
     verifiers: VerifiersConfig | None = None
     """Set (even empty: `verifiers = {}`) for a verifiers environment, loaded, selected and run by verifiers."""
     args: dict[str, Any] = Field(default_factory=dict)

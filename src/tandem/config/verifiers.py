@@ -12,7 +12,6 @@ class VerifiersWheelsConfig(Section):
     harness program from (its `uv` script's dependencies), so that verifiers environments run with no index."""
 
     dir: str | None = None
-    """Where the wheels go (default: $TANDEM_VERIFIERS_WHEELS, else ~/.cache/tandem/verifiers-wheels); runs read
-    the same place."""
+    """Where the wheels go (default: $TANDEM_VERIFIERS_WHEELS, else ~/.cache/tandem/verifiers-wheels); runs read the same place."""
     requirements: list[str] = Field(default_factory=list)
     """More requirements to include (a harness of your own whose script needs other packages)."""
