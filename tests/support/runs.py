@@ -80,6 +80,17 @@ def tandem_rl(model_dir: Path, out: Path, *flags: str, check: bool = True) -> su
     return run_to_end(rl_command(model_dir, out, *flags), watch=[out], check=check)
 
 
+def reward_trend(run_dir: Path, steps: int) -> tuple[float, float, list[float], list[dict]]:
+    """A finished `tandem rl` run of `steps` steps: the mean batch reward of its first and of its last 3 steps
+    (printed), every step's reward and the trainer's records."""
+    rewards = [r["reward"] for r in read_jsonl(run_dir / "orchestrator_metrics.jsonl")]
+    trainer = read_metrics(run_dir)
+    assert len(rewards) == len(trainer) == steps
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"reward: first 3 steps {first:.3f}, last 3 steps {last:.3f}")
+    return first, last, rewards, trainer
+
+
 def write_rl_sources(folder: Path, env_id: str = "reverse_text") -> str:
     """A sources file for `tandem rl @ FILE`: `env_id` to train on (16 tokens a reply) and an online eval of 3
     arithmetic tasks every 2 steps; returns its path."""

@@ -16,6 +16,7 @@ verifiers is an optional extra (`pip install 'tandem[verifiers]'`), imported onl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -222,8 +223,6 @@ class VerifiersEnv:
 
     async def episodes(self, task: Task, contexts: Sequence[Any]) -> list[Any]:
         """One verifiers episode of `task` per model context, concurrently (inside `serving`)."""
-        import asyncio
-
         vf_task = self.verifiers_task(task)
         slots = self.env.slots(vf_task, len(contexts))
         return list(await asyncio.gather(*(self.env.run_slot(s, c) for s, c in zip(slots, contexts, strict=True))))
