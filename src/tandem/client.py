@@ -172,6 +172,9 @@ class OpenAIClient:
         self.timeout_s = timeout_s
         self.retries = retries or RetryConfig()
         self.on_feedback = on_feedback
+        self.base_url = f"{_server_root(base_url)}/v1"
+        """The server's OpenAI base URL, for a client of another library (verifiers') to reach it too."""
+        self.api_key = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=_server_root(base_url),

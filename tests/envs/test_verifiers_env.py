@@ -68,9 +68,10 @@ def test_harness_programs_install_from_the_wheelhouse_alone(tmp_path, monkeypatc
     assert "UV_FIND_LINKS" not in uv_environment(tmp_path)  # a user's own setting wins
 
 
-def test_evals_refuse_a_verifiers_source_by_name(monkeypatch):
+def test_an_online_eval_source_is_checked_like_a_training_source(monkeypatch):
     on_path(monkeypatch)
     eval_source = {"name": "letters", "id": "vf_letters", "verifiers": verifiers_table()}
-    config = OrchestratorConfig(source=[{"id": "reverse_text"}], eval={"source": [eval_source]})
-    with pytest.raises(ConfigError, match="`tandem eval` and online evals do not run verifiers"):
-        check_sources(config)
+    check_sources(OrchestratorConfig(source=[{"id": "reverse_text"}], eval={"source": [eval_source]}))
+    broken = {**eval_source, "verifiers": {"env": {"agent": {"harness": {"id": "no_such_harness"}}}}}
+    with pytest.raises(ConfigError, match=r"source .letters.: .*harness"):
+        check_sources(OrchestratorConfig(source=[{"id": "reverse_text"}], eval={"source": [broken]}))

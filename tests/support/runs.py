@@ -83,7 +83,7 @@ def tandem_rl(model_dir: Path, out: Path, *flags: str, check: bool = True) -> su
 def reward_trend(run_dir: Path, steps: int) -> tuple[float, float, list[float], list[dict]]:
     """A finished `tandem rl` run of `steps` steps: the mean batch reward of its first and of its last 3 steps
     (printed), every step's reward and the trainer's records."""
-    rewards = [r["reward"] for r in read_jsonl(run_dir / "orchestrator_metrics.jsonl")]
+    rewards = [r["reward"] for r in read_jsonl(run_dir / "orchestrator_metrics.jsonl") if r.get("kind") != "eval"]
     trainer = read_metrics(run_dir)
     assert len(rewards) == len(trainer) == steps
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

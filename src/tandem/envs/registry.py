@@ -22,6 +22,7 @@ from tandem.config.env import EnvConfig
 from tandem.envs.base import Taskset, require_rewards
 from tandem.envs.multiturn import MultiTurnTaskset
 from tandem.envs.tool_env import ToolTaskset
+from tandem.envs.verifiers import check_verifiers_env
 
 _REGISTRY: dict[str, str] = {
     "reverse_text": "tandem.envs.builtin.reverse_text:ReverseText",
@@ -113,20 +114,14 @@ def load_taskset(id_or_path: str, **args: Any) -> Taskset:
 
 
 def check_env(config: EnvConfig) -> None:
-    """What `load_env` needs, checked without building the taskset (no data is read, nothing is generated): the
-    id or import path resolves, the args fit the constructor, max_turns goes to a multi-turn taskset. A command
-    calls it for every source before it starts anything; `load_env` raises the same errors."""
-    _refuse_verifiers(config)
-    _check_turns(_checked_class(config.id, config.args), config)
-
-
-def _refuse_verifiers(config: EnvConfig) -> None:
-    """A verifiers source is run by the training orchestrator (`tandem.envs.verifiers`), not built here."""
+    """What `load_env` (or, for a verifiers source, `VerifiersEnv.load`) needs, checked without building the
+    taskset (no data is read, nothing is generated): the id or import path resolves, the args fit the
+    constructor, max_turns goes to a multi-turn taskset. A command calls it for every source before it starts
+    anything; loading raises the same errors."""
     if config.verifiers is not None:
-        raise ValueError(
-            "a verifiers environment trains in `tandem rl` ([[orchestrator.source]]); `tandem eval` and online "
-            "evals do not run verifiers environments yet"
-        )
+        check_verifiers_env(config)
+        return
+    _check_turns(_checked_class(config.id, config.args), config)
 
 
 def _check_turns(cls: type[Taskset], config: EnvConfig) -> None:
@@ -138,7 +133,8 @@ def load_env(config: EnvConfig) -> Taskset:
     """Build the configured taskset with the config's rollout limits; select its tasks with `apply_select`.
     A tool taskset builds its tools once here, so a tool that cannot run on this machine (the `python` tool
     without a sandbox: `SandboxUnavailable`) stops the command at start-up, before any step."""
-    _refuse_verifiers(config)
+    if config.verifiers is not None:
+        raise ValueError(f"env {config.id!r} is a verifiers environment: VerifiersEnv.load builds it")
     cls = _checked_class(config.id, config.args)
     _check_turns(cls, config)
     taskset = cls(**config.args)

@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 WHEELS_ENV = "TANDEM_VERIFIERS_WHEELS"
 DEFAULT_WHEELS = Path.home() / ".cache" / "tandem" / "verifiers-wheels"
 """Where `tandem verifiers-wheels` puts the harness programs' wheels unless `$TANDEM_VERIFIERS_WHEELS` says."""
+GATEWAY_KEY_VAR = "TANDEM_GATEWAY_KEY"
+EVAL_KEY_VAR = "TANDEM_EVAL_API_KEY"
+"""The variables verifiers reads the endpoint's API key from: the orchestrator's gateway (which needs none) and
+the server `tandem eval` evaluates."""
 
 
 class VerifiersMissing(ImportError):
@@ -207,18 +211,30 @@ class VerifiersEnv:
         async with self.env.serving():
             yield
 
-    def model_context(self, base_url: str, model: str, renderer_model: str, sampling: dict[str, Any]) -> Any:
-        """What an episode samples from: the endpoint at `base_url` through verifiers' train client (prompts
-        rendered by `renderers` for `renderer_model`, tokens and logprobs back), with `sampling`."""
-        vf = import_verifiers()
+    def train_context(self, base_url: str, model: str, renderer_model: str, sampling: dict[str, Any]) -> Any:
+        """What a training episode samples from: the token route at `base_url` through verifiers' train client
+        (prompts rendered by `renderers` for `renderer_model`, tokens and logprobs back), with `sampling`."""
         from verifiers.v1.configs.client import TrainClientConfig
 
         client = TrainClientConfig(
             base_url=base_url,
-            api_key_var="TANDEM_GATEWAY_KEY",
+            api_key_var=GATEWAY_KEY_VAR,
             renderer=self.renderer,
             renderer_model_name=renderer_model,
         )
+        return self._context(client, model, sampling)
+
+    def eval_context(self, base_url: str, model: str, sampling: dict[str, Any], api_key: str | None) -> Any:
+        """What an evaluated episode samples from: the chat completions of the OpenAI-compatible server at
+        `base_url`, through verifiers' eval client, as `vf-eval` samples (`api_key` is its bearer token)."""
+        from verifiers.v1.configs.client import EvalClientConfig
+
+        os.environ[EVAL_KEY_VAR] = api_key or "EMPTY"  # verifiers reads the key from a variable it names
+        return self._context(EvalClientConfig(base_url=base_url, api_key_var=EVAL_KEY_VAR), model, sampling)
+
+    @staticmethod
+    def _context(client: Any, model: str, sampling: dict[str, Any]) -> Any:
+        vf = import_verifiers()
         return vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig(**sampling))
 
     async def episodes(self, task: Task, contexts: Sequence[Any]) -> list[Any]:

@@ -26,7 +26,7 @@ from tandem.eval.local_server import ServerStartError, local_server
 from tandem.eval.lock import run_lock
 from tandem.eval.progress import EvalProgress
 from tandem.eval.resume import resumed_config
-from tandem.eval.runner import EvalSource, load_source, pending_rollouts, run_rollouts
+from tandem.eval.runner import EvalSource, load_source, pending_rollouts, run_rollouts, serving
 from tandem.eval.summary import render_table, summarize_source
 from tandem.eval.traces import read_traces
 from tandem.files import atomic_write_text
@@ -167,7 +167,8 @@ async def _evaluate(
         model = model or await _model_id(client, config)
         totals = {source.name: source.expected for source in sources}
         with JsonlWriter(traces) as writer, EvalProgress(totals, records, limiter) as progress:
-            await run_rollouts(todo, client, model, limiter, writer, lambda record: _keep(record, records, progress))
+            async with serving(sources):
+                await run_rollouts(todo, client, model, limiter, writer, lambda r: _keep(r, records, progress))
     return records
 
 

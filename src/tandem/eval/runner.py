@@ -2,7 +2,9 @@
 
 Single- and multi-turn tasksets alike go through `tandem.envs.run_episode`;
 only the `generate` callable is ours (a chat request, with a tool taskset's
-`tools`, which the server renders and parses calls for). A rollout never raises:
+`tools`, which the server renders and parses calls for). A verifiers source's
+rollout is a verifiers episode against the same server (`tandem.eval.verifiers`),
+recorded in the same shape. A rollout never raises:
 a failure becomes its outcome (`timeout` for a request that ran out of time,
 `error` for anything else) so one bad request cannot stop an eval. A conversation that
 outgrows the model's context (the server's 400 says so) is no failure: the episode ends
@@ -12,9 +14,10 @@ there as `truncated` and is scored, as in training.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +26,10 @@ from tandem.config import ConfigError
 from tandem.config.eval import EvalSourceConfig, SamplingConfig
 from tandem.envs import ContextFull, Message, Task, Taskset, apply_select, load_env, run_episode, source_errors
 from tandem.envs.tool_env import ToolTaskset
+from tandem.envs.verifiers import VerifiersEnv
 from tandem.eval.concurrency import AdaptiveLimiter
 from tandem.eval.traces import trace_key
+from tandem.eval.verifiers import verifiers_rollout
 from tandem.images import inline_images
 from tandem.jsonl import JsonlWriter
 
@@ -36,7 +41,7 @@ class EvalSource:
     """An eval source ready to run: its config, its taskset and the tasks its `select` picked."""
 
     config: EvalSourceConfig
-    taskset: Taskset
+    taskset: Taskset | VerifiersEnv
     tasks: list[Task]
 
     @property
@@ -51,6 +56,9 @@ class EvalSource:
 def load_source(config: EvalSourceConfig) -> EvalSource:
     """Build the taskset and select its tasks; a problem with either is a config error naming the source."""
     with source_errors(config.name):
+        if config.verifiers is not None:
+            env = VerifiersEnv.load(config.name, config)
+            return EvalSource(config, env, env.select(config.select))
         taskset = load_env(config)
         tasks = apply_select(taskset, config.select)
     if not isinstance(tasks, list):
@@ -92,6 +100,30 @@ async def run_rollout(client: OpenAIClient, model: str, rollout: EvalRollout) ->
     """Roll out, score and describe one rollout as its trace record."""
     task, taskset = rollout.task, rollout.source.taskset
     sampling = request_fields(rollout.source.config.sampling, rollout.index)
+    if isinstance(taskset, VerifiersEnv):
+        started = time.monotonic()
+        try:
+            episode = await verifiers_rollout(taskset, task, sampling, client.base_url, client.api_key, model)
+        except Exception as failure:  # a bug, not the model: verifiers turns the episode's own failures into errors
+            episode = _failed(task, [], time.monotonic() - started, f"{type(failure).__name__}: {failure}")
+    else:
+        episode = await _native_rollout(client, model, taskset, task, sampling)
+    return {
+        "key": rollout.key,
+        "source": rollout.source.name,
+        "task": task.model_dump(mode="json", exclude={"prompt"}),
+        "rollout": rollout.index,
+        **episode,
+        "model": model,
+        "sampling": sampling,
+        "finished_at": time.time(),
+    }
+
+
+async def _native_rollout(
+    client: OpenAIClient, model: str, taskset: Taskset, task: Task, sampling: dict[str, Any]
+) -> dict[str, Any]:
+    """A tandem taskset's episode of `task` through `run_episode`: the record's episode fields."""
     tools = {"tools": taskset.tool_schemas()} if isinstance(taskset, ToolTaskset) else {}
     replies: list[ChatCompletion] = []
     conversation: list[Message] = task.messages()  # the latest one, kept when a request fails
@@ -111,42 +143,54 @@ async def run_rollout(client: OpenAIClient, model: str, rollout: EvalRollout) ->
         return message
 
     started = time.monotonic()
-    reward, metrics, error, attempts = 0.0, {}, None, 0
     try:
         episode = await run_episode(taskset, task, generate)
-        completion, outcome = episode.completion, episode.outcome
-        if outcome == "ok" and any(r.choices[0].finish_reason == "length" for r in replies):
-            outcome = "truncated"
-        if outcome != "timeout":
-            reward, metrics = episode.score.reward, episode.score.metrics
     except RequestError as failure:
-        completion = conversation[len(task.messages()) :]
-        outcome = "timeout" if failure.kind == "timeout" else "error"
-        error, attempts = str(failure), failure.attempts
+        record = _failed(task, conversation, time.monotonic() - started, str(failure), replies)
+        return {**record, "outcome": "timeout" if failure.kind == "timeout" else "error",
+                "attempts": record["attempts"] + failure.attempts}  # fmt: skip
     except Exception as failure:  # the environment's step or scoring failed: this rollout only
-        completion = conversation[len(task.messages()) :]
-        outcome, error = "error", f"{type(failure).__name__}: {failure}"
+        return _failed(task, conversation, time.monotonic() - started, f"{type(failure).__name__}: {failure}", replies)
+    outcome = episode.outcome
+    if outcome == "ok" and any(r.choices[0].finish_reason == "length" for r in replies):
+        outcome = "truncated"
+    scored = outcome != "timeout"
     return {
-        "key": rollout.key,
-        "source": rollout.source.name,
-        "task": task.model_dump(mode="json", exclude={"prompt"}),
-        "rollout": rollout.index,
         "prompt": task.messages(),
-        "completion": completion,
-        "reward": reward,
-        "metrics": metrics,
+        "completion": episode.completion,
+        "reward": episode.score.reward if scored else 0.0,
+        "metrics": episode.score.metrics if scored else {},
         "outcome": outcome,
-        "error": error,
+        "error": None,
+        **_usage(replies),
+        "latency_s": time.monotonic() - started,
+    }
+
+
+def _usage(replies: list[ChatCompletion]) -> dict[str, Any]:
+    return {
         "tokens": {
             "prompt": sum(r.prompt_tokens for r in replies),
             "completion": sum(r.completion_tokens for r in replies),
         },
-        "latency_s": time.monotonic() - started,
         "turns": len(replies),
-        "attempts": attempts + sum(r.attempts for r in replies),
-        "model": model,
-        "sampling": sampling,
-        "finished_at": time.time(),
+        "attempts": sum(r.attempts for r in replies),
+    }
+
+
+def _failed(
+    task: Task, conversation: list[Message], latency_s: float, error: str, replies: list[ChatCompletion] = ()
+) -> dict[str, Any]:
+    """The episode fields of a rollout that failed with `error`, `conversation` the last one it had."""
+    return {
+        "prompt": task.messages(),
+        "completion": conversation[len(task.messages()) :],
+        "reward": 0.0,
+        "metrics": {},
+        "outcome": "error",
+        "error": error,
+        **_usage(list(replies)),
+        "latency_s": latency_s,
     }
 
 
@@ -183,6 +227,17 @@ async def run_rollouts(
         for rollout in rollouts:
             await limiter.acquire()
             group.create_task(one(rollout))
+
+
+@contextlib.asynccontextmanager
+async def serving(sources: list[EvalSource]) -> AsyncIterator[None]:
+    """What the sources' rollouts need up while they run: each verifiers env's serving resources (its
+    interception server, shared tool servers)."""
+    async with contextlib.AsyncExitStack() as stack:
+        for source in sources:
+            if isinstance(source.taskset, VerifiersEnv):
+                await stack.enter_async_context(source.taskset.serving())
+        yield
 
 
 def pending_rollouts(sources: list[EvalSource], done: set[str]) -> list[EvalRollout]:

@@ -8,7 +8,7 @@ from typing import Any
 from tandem.client import OpenAIClient
 from tandem.config.orchestrator import OnlineEvalConfig
 from tandem.eval.concurrency import AdaptiveLimiter, AimdController
-from tandem.eval.runner import load_source, pending_rollouts, run_rollouts
+from tandem.eval.runner import load_source, pending_rollouts, run_rollouts, serving
 from tandem.eval.summary import summarize_source
 from tandem.jsonl import JsonlWriter
 
@@ -24,7 +24,8 @@ async def run_online_eval(
     async with OpenAIClient(base_url, api_key=api_key, on_feedback=limiter.record) as client:
         model = (await client.models())[0]
         with JsonlWriter(out_dir / "traces.jsonl", truncate=True) as writer:  # every rollout runs again
-            await run_rollouts(pending_rollouts(sources, set()), client, model, limiter, writer, records.append)
+            async with serving(sources):
+                await run_rollouts(pending_rollouts(sources, set()), client, model, limiter, writer, records.append)
     metrics: dict[str, Any] = {}
     for source in sources:
         summary = summarize_source(

@@ -252,7 +252,7 @@ class Rollouts:
         seeds = [(self.seed + draw.index) * 1_000_003 + member for member in range(self.group_size)]
         renderer_model = self.tokenizer.name_or_path
         contexts = [
-            env.model_context(base_url, "policy", renderer_model, episode_sampling(source.config.sampling, seed))
+            env.train_context(base_url, "policy", renderer_model, episode_sampling(source.config.sampling, seed))
             for seed in seeds
         ]
         results = await run_episodes(env, draw.task, contexts, seeds, self.gateway.take)

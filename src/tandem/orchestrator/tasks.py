@@ -20,7 +20,7 @@ from tandem.config.orchestrator import OrchestratorConfig, TrainSourceConfig
 from tandem.envs import Task, Taskset, apply_select, check_env, load_env, resolve_taskset, source_errors
 from tandem.envs.sandbox import start_sandbox
 from tandem.envs.tool_env import ToolTaskset
-from tandem.envs.verifiers import VerifiersEnv, check_verifiers_env
+from tandem.envs.verifiers import VerifiersEnv
 
 
 @dataclass
@@ -63,12 +63,9 @@ def check_sources(config: OrchestratorConfig) -> None:
     _require_sources(config.source)
     named = [(_name(config.source, index), source) for index, source in enumerate(config.source)]
     evals = [(source.name, source) for source in config.eval.source]
-    for name, source in named:
+    for name, source in [*named, *evals]:
         with source_errors(name):
-            check_verifiers_env(source) if source.verifiers is not None else check_env(source)
-    for name, source in evals:
-        with source_errors(name):
-            check_env(source)  # a verifiers source is refused here: online evals run native tasksets
+            check_env(source)
     _check_tools(config, [(name, source) for name, source in [*named, *evals] if source.verifiers is None])
 
 
