@@ -7,6 +7,7 @@ Single-turn, multi-turn (bridged by `renderers`) and two agents, each written ag
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from tandem.orchestrator.tasks import Draw, load_sources
 
 pytest.importorskip("verifiers.v1", reason="needs the verifiers extra")
 
-SEQ_LEN = 512
+SEQ_LEN = 1024  # room for a tool schema in the system prompt
 GROUP = 3
 
 
@@ -58,11 +59,39 @@ class RecordingPool(InferencePool):
         return response
 
 
-def _roll(served, taskset: str, table: dict, **sampling) -> tuple[list[Group | str], RecordingPool]:
+class ToolCallingPool(RecordingPool):
+    """The pool, but the first reply of each episode is a call of `vf_tools`' add tool in Qwen3's format (the
+    numbers its prompt asks about), as if the engine had sampled it: a tiny random model writes no tool calls."""
+
+    def __init__(self, url: str, tokenizer) -> None:
+        super().__init__(url)
+        self.tokenizer = tokenizer
+
+    async def generate_response(self, request):
+        response = await InferencePool.generate_response(self, request)
+        prompt = self.tokenizer.decode(request.prompt_token_ids)
+        (sample,) = response.outputs[0].samples
+        if "<tool_response>" not in prompt:
+            a, b = re.findall(r"What is (\d+) \+ (\d+)", prompt)[-1]
+            call = f'<tool_call>\n{{"name": "add_toolset_add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+            ids = [*self.tokenizer.encode(call, add_special_tokens=False), self.tokenizer.eos_token_id]
+            sample = sample.model_copy(
+                update={"token_ids": ids, "logprobs": [-1.0] * len(ids), "versions": [0] * len(ids), "masks": None,
+                        "finish_reason": "stop", "stop_reason": self.tokenizer.eos_token_id, "top_logprobs": None}
+            )  # fmt: skip
+            output = response.outputs[0].model_copy(update={"samples": [sample]})
+            response = response.model_copy(update={"outputs": [output]})
+        self.sent.append((list(request.prompt_token_ids), sample.token_ids, sample.logprobs))
+        return response
+
+
+def _roll(
+    served, taskset: str, table: dict, pool: RecordingPool | None = None, **sampling
+) -> tuple[list[Group | str], RecordingPool]:
     server, tokenizer, _ = served
     config = TrainSourceConfig(id=taskset, verifiers=table, sampling={"max_tokens": 6, **sampling})
     sources = load_sources([config])
-    pool = RecordingPool(server.url)
+    pool = pool or RecordingPool(server.url)
     rollouts = Rollouts(tokenizer, pool, sources, seq_len=SEQ_LEN, group_size=GROUP, seed=0, max_long_streak=10)
 
     async def run() -> list[Group | str]:
@@ -77,9 +106,10 @@ def _roll(served, taskset: str, table: dict, **sampling) -> tuple[list[Group | s
     return asyncio.run(run()), pool
 
 
-def _check_exact(group: Group, pool: RecordingPool, model, temperature: float) -> None:
+def _check_exact(group: Group, pool: RecordingPool, model, temperature: float, scored: bool = True) -> None:
     """Every trained token was sampled by the engine right after exactly the tokens before it, with the logprob the
-    engine reported, which the trainer's forward over the sample reproduces."""
+    engine reported, which the trainer's forward over the sample reproduces (unless not `scored`: replies the pool
+    scripted carry logprobs of its own)."""
     sent = {(tuple(prompt), tuple(reply)): logprobs for prompt, reply, logprobs in pool.sent}
     for member, completion in enumerate(group.completions):
         prompt = group.prompt_of(member)
@@ -100,6 +130,8 @@ def _check_exact(group: Group, pool: RecordingPool, model, temperature: float) -
             assert key in sent, "a trained run of tokens is no reply the engine gave to exactly the tokens before it"
             assert completion.logprobs[start:end] == sent[key]
             start = end
+        if not scored:
+            continue
         with torch.no_grad():
             logits = model(torch.tensor([tokens]))[0].float() / temperature
         logp = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(
@@ -146,3 +178,23 @@ def test_only_the_trainable_agents_traces_train(served):
             assert "Is this a good answer" not in served[1].decode(group.prompt_of(member))
         _check_exact(group, pool, served[2], 1.0)
     assert len(pool.sent) == 2 * 2 * GROUP  # both agents sampled once in every episode
+
+
+def test_a_toolset_call_and_its_result_train_as_one_branch_with_the_result_as_context(served):
+    server, tokenizer, _ = served
+    pool = ToolCallingPool(server.url, tokenizer)
+    groups, pool = _roll(served, "vf_tools", verifiers_table(), pool=pool, max_tokens=40)
+    for group in groups:
+        assert isinstance(group, Group), group
+        assert len(group.completions) == GROUP and not group.failed
+        for member, completion in enumerate(group.completions):
+            assert group.metrics[member]["tool_results"] == 1.0 and group.metrics[member]["turns"] == 2.0
+            text = tokenizer.decode(completion.token_ids)
+            # the scripted call, the tool server's answer (context, bridged by the renderer), then the engine's reply
+            assert text.startswith("<tool_call>") and "<tool_response>" in text
+            a = int(re.findall(r"What is (\d+) \+", tokenizer.decode(group.prompt_of(member)))[-1])
+            assert re.search(rf"<tool_response>\s*{2 * a + 2}\s*</tool_response>", text), text
+            trained = completion.trained
+            assert trained is not None and trained[0] and not all(trained)
+        _check_exact(group, pool, served[2], 1.0, scored=False)
+    assert len(pool.sent) == 2 * 2 * GROUP  # two calls an episode: the tool call, then the reply to its result
