@@ -1,15 +1,23 @@
-"""Rollouts/s of one single-turn task as a native tandem taskset and as a verifiers environment (baseline: native).
+"""Rollouts/s of one single-turn task as a native tandem taskset and as a verifiers environment (baseline: native),
+and of verifiers' two ways to run episodes: in this process or in an `EnvServer` pool (baseline: in-process).
 
     python benchmarks/verifiers_rollouts.py [--groups 16] [--group-size 8] [--concurrency 64] [--smoke]
+    python benchmarks/verifiers_rollouts.py --shape qwen3-0.6b --max-tokens 256 --env-server-workers 4   # a GPU
 
-One built-in server (a tiny random Qwen3 on this machine's device) serves both; both run through the
-orchestrator's own `Rollouts.roll` with `concurrency / group_size` groups in flight (so `concurrency` rollouts),
-the same prompts ("Write word i."), the same sampling (temperature 1, `--max-tokens` tokens, ignoring EOS so
-every rollout generates the same number of tokens) and the same reward (the fraction of e's). The native source
-is one `/generate` request per group; the verifiers source runs each rollout as a verifiers episode: verifiers'
-chat program (the `null` harness) started as a process, its model call through verifiers' interception server
-and train client (`renderers`) to the orchestrator's token gateway. The ratio is the per-rollout overhead of
-that path.
+One built-in server (a random Qwen3 on this machine's device: `tiny`, or `qwen3-0.6b`, Qwen3-0.6B's layers with
+the tiny tokenizer's vocabulary, in bf16 on a GPU) serves every row, the same prompts ("Write word i."), the same
+sampling (temperature 1, `--max-tokens` tokens, ignoring EOS so every rollout generates the same number of
+tokens) and the same reward (the fraction of e's), `--concurrency` rollouts in flight.
+
+First table: both sources through the orchestrator's own `Rollouts.roll`, `concurrency / group_size` groups in
+flight. The native source is one `/generate` request per group; the verifiers source runs each rollout as a
+verifiers episode: verifiers' chat program (the `null` harness) started as a process, its model call through
+verifiers' interception server and train client (`renderers`) to the orchestrator's token gateway. The ratio is
+the per-rollout overhead of that path.
+
+Second table (with `--env-server-workers W`): the same verifiers episodes through verifiers' eval client (the
+server's chat route, no gateway), run by `Env.run_slot` in this process (tandem's choice) and by an `EnvServer`
+pool of W worker processes (`serve_env`, as prime-rl runs them), reached through `EnvClient.run`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ TASKSETS = REPO / "tests" / "support" / "verifiers_tasksets"
 QWEN3_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 
 
+QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "intermediate_size": 3072}  # fmt: skip
+"""Qwen3-0.6B's layers (its config.json); the vocabulary stays the tiny tokenizer's."""
+
+
 def serve(model_dir: Path, out: Path, seq_len: int):
     """The built-in server on a loopback port, in this process (its engine on a thread)."""
     import socket
@@ -45,8 +58,9 @@ def serve(model_dir: Path, out: Path, seq_len: int):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = InferenceConfig(model={"name": str(model_dir), "dtype": "float32"}, seq_len=seq_len, device=device)
-    model = load_model(model_dir, dtype=torch.float32, device=device)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    config = InferenceConfig(model={"name": str(model_dir), "dtype": dtype}, seq_len=seq_len, device=device)
+    model = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
     engine = Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer)).start()
     app = InferenceServer(engine, tokenizer, "tiny", admin_token=None, weights_dir=out).app()
     sock = socket.socket()
@@ -89,49 +103,125 @@ async def measure(url: str, tokenizer, source: dict, groups: int, group_size: in
     return {"rollouts": n, "wall_s": wall, "rollouts_per_s": n / wall, "reward": sum(rewards) / max(1, len(rewards))}
 
 
+async def measure_modes(url: str, env_data: dict, prompts: int, concurrency: int, workers: int, sampling: dict) -> dict:
+    """rollouts/s of `prompts` verifiers episodes through the eval client: in-process, then an EnvServer pool."""
+    import multiprocessing
+
+    import verifiers.v1 as vf
+    from verifiers.v1.configs.client import EvalClientConfig
+    from verifiers.v1.serve.client import EnvClient
+    from verifiers.v1.serve.pool import serve_env
+
+    env = vf.load_environment(vf.resolve_env_config(env_data))
+    tasks = list(env.taskset.select(vf.SelectConfig(limit=prompts)))
+    client = EvalClientConfig(base_url=f"{url}/v1", api_key_var="TANDEM_EVAL_API_KEY")
+    context = vf.ModelContext(model="tiny", client=client, sampling=vf.SamplingConfig(**sampling))
+    gate = asyncio.Semaphore(concurrency)
+    results = {}
+
+    async def timed(run_one) -> dict:
+        async def one(task):
+            async with gate:
+                return await run_one(task)
+
+        await one(tasks[0])  # warm
+        started = time.perf_counter()
+        episodes = await asyncio.gather(*(one(task) for task in tasks))
+        wall = time.perf_counter() - started
+        ok = sum(1 for e in episodes if _episode_ok(e))
+        return {"rollouts": ok, "wall_s": wall, "rollouts_per_s": ok / wall}
+
+    async with env.serving():
+        results["in-process run_slot (baseline)"] = await timed(lambda t: env.run_slot(env.slots(t, 1)[0], context))
+    spawn = multiprocessing.get_context("spawn")
+    addresses = spawn.Queue()
+    server = spawn.Process(
+        target=serve_env,
+        kwargs={"max_workers": workers, "address": "tcp://127.0.0.1:0", "address_queue": addresses,
+                "config_data": env_data, "elastic": False},
+    )  # fmt: skip  # not a daemon: the pool starts worker processes of its own
+    server.start()
+    try:
+        remote = EnvClient(addresses.get(timeout=120))
+        name = f"EnvServer pool, {workers} workers"
+        results[name] = await timed(
+            lambda t: remote.run(client, "tiny", vf.SamplingConfig(**sampling), task_data=t.data.model_dump())
+        )
+    finally:
+        server.terminate()
+        server.join(30)
+    return results
+
+
+def _episode_ok(episode) -> bool:
+    """An episode whose traces all finished without error (an in-process `Episode` or an EnvServer's record)."""
+    ok = episode.ok if hasattr(episode, "ok") else episode.get("ok")
+    return bool(ok)
+
+
+def _table(title: str, results: dict, baseline: str) -> None:
+    print(title)
+    base = results[baseline]["rollouts_per_s"]
+    print(f"{'run':<36}{'rollouts':>9}{'wall s':>9}{'rollouts/s':>12}{'x base':>8}")
+    for name, r in results.items():
+        ratio = r["rollouts_per_s"] / base
+        print(f"{name:<36}{r['rollouts']:>9}{r['wall_s']:>9.1f}{r['rollouts_per_s']:>12.1f}{ratio:>8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=64, help="rollouts in flight")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny", help="the served model's layers")
+    parser.add_argument("--env-server-workers", type=int, default=0, help="W > 0: also compare an EnvServer pool")
     parser.add_argument("--smoke", action="store_true", help="2 groups of 2, 8 tokens: check it runs")
     args = parser.parse_args()
     if args.smoke:
         args.groups, args.group_size, args.concurrency, args.max_tokens = 2, 2, 4, 8
     sys.path.insert(0, str(TASKSETS))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TASKSETS), os.environ.get("PYTHONPATH", "")])
+    from tandem.envs.verifiers import uv_environment
     from tandem.testing import write_tiny_model
 
+    os.environ.update(uv_environment())
+    os.environ.setdefault("TANDEM_EVAL_API_KEY", "EMPTY")
     sampling = {"temperature": 1.0, "max_tokens": args.max_tokens, "ignore_eos": True}
     agent = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+    prompts = args.groups * args.group_size
+    env = {"agent": agent, "taskset": {"num_tasks": max(64, prompts)}}
     runs = {
         "native taskset (baseline)": {"id": "tandem.testing.toy_envs:LetterE", "sampling": sampling},
         "verifiers env": {
             "id": "vf_letters",
             "sampling": sampling,
-            "verifiers": {"env": {"agent": agent, "taskset": {"num_tasks": 64}}, "renderer": {"name": "qwen3"}},
+            "verifiers": {"env": env, "renderer": {"name": "qwen3"}},
         },
     }
+    shape = QWEN3_0_6B if args.shape == "qwen3-0.6b" else {}
+    seq_len = 512
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        model = write_tiny_model(out / "model", "qwen3", extra_special=QWEN3_MARKERS)
-        url, tokenizer, engine, server = serve(model, out, 512)
+        model = write_tiny_model(out / "model", "qwen3", extra_special=QWEN3_MARKERS, **shape)
+        url, tokenizer, engine, server = serve(model, out, seq_len)
         in_flight = max(1, args.concurrency // args.group_size)
         results = {}
         for name, source in runs.items():
             results[name] = asyncio.run(measure(url, tokenizer, source, args.groups, args.group_size, in_flight))
+        modes = {}
+        if args.env_server_workers:
+            env_data = {**env, "taskset": {**env["taskset"], "id": "vf_letters"}}
+            modes = asyncio.run(measure_modes(url, env_data, prompts, args.concurrency, args.env_server_workers,
+                                              {**sampling, "seed": 0}))  # fmt: skip
         server.should_exit = True
         engine.stop()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    print(f"{args.groups} groups of {args.group_size}, {args.concurrency} rollouts in flight, "
+    print(f"{args.shape} model, {args.groups} groups of {args.group_size}, {args.concurrency} rollouts in flight, "
           f"{args.max_tokens} tokens each, on {device}")  # fmt: skip
-    base = results["native taskset (baseline)"]["rollouts_per_s"]
-    print(f"{'source':<28}{'rollouts':>9}{'wall s':>9}{'rollouts/s':>12}{'x native':>10}")
-    for name, r in results.items():
-        print(
-            f"{name:<28}{r['rollouts']:>9}{r['wall_s']:>9.1f}{r['rollouts_per_s']:>12.1f}{r['rollouts_per_s'] / base:>10.2f}"
-        )
+    _table("sources, through Rollouts.roll", results, "native taskset (baseline)")
+    if modes:
+        _table("verifiers episodes, through the eval client", modes, "in-process run_slot (baseline)")
 
 
 if __name__ == "__main__":

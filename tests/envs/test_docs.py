@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config.orchestrator import TrainSourceConfig
+from tandem.config.orchestrator import OnlineEvalConfig, TrainSourceConfig
 from tandem.envs import EnvConfig, apply_select, load_env
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
@@ -50,6 +50,8 @@ def test_example_toml_configs_validate(my_pkg):
     EnvConfig.model_validate({"id": "gsm8k", **select["env"]})
     (training,) = verifiers["orchestrator"]["source"]
     assert TrainSourceConfig.model_validate(training).verifiers.env["agent"]["runtime"] == {"type": "subprocess"}
+    (online,) = OnlineEvalConfig.model_validate(verifiers["orchestrator"]["eval"]).source
+    assert online.verifiers is not None and online.select.limit == 64
 
 
 def test_the_one_file_tool_environment_runs_an_episode(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from support.fake_openai import FakeServer
 from support.verifiers_envs import on_path
 from tandem.cli import main
+from tandem.config.eval import EvalSourceConfig
 from tandem.envs.verifiers import uv_environment
 from tandem.eval.traces import read_traces
 from tandem.testing.progress import spawn
@@ -199,3 +201,12 @@ def test_tools_of_a_toolset_run_in_their_own_server_and_their_results_reach_the_
 def _text(content: str | list) -> str:
     """A message's text, whether a string or content parts."""
     return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
+def test_the_eval_pages_verifiers_source_is_a_valid_source(monkeypatch):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "eval.md").read_text()
+    (block,) = [b for b in re.findall(r"```toml\n(.*?)```", page, re.DOTALL) if "[source.verifiers" in b]
+    (source,) = tomllib.loads(block)["source"]
+    config = EvalSourceConfig.model_validate(source)
+    assert config.verifiers is not None and config.verifiers.env["agent"]["runtime"] == {"type": "subprocess"}
+    assert config.rollouts_per_task == 4 and config.select.limit == 50
