@@ -17,7 +17,8 @@ the per-rollout overhead of that path.
 
 Second table (with `--env-server-workers W`): the same verifiers episodes through verifiers' eval client (the
 server's chat route, no gateway), run by `Env.run_slot` in this process (tandem's choice) and by an `EnvServer`
-pool of W worker processes (`serve_env`, as prime-rl runs them), reached through `EnvClient.run`.
+pool of W worker processes (`serve_env`, as prime-rl runs them), reached through `EnvClient.run`; with the CPU
+time each rollout cost this process and the harness programs it started.
 """
 
 from __future__ import annotations
@@ -125,11 +126,14 @@ async def measure_modes(url: str, env_data: dict, prompts: int, concurrency: int
                 return await run_one(task)
 
         await one(tasks[0])  # warm
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), os.times()
         episodes = await asyncio.gather(*(one(task) for task in tasks))
-        wall = time.perf_counter() - started
+        wall, spent = time.perf_counter() - started, os.times()
         ok = sum(1 for e in episodes if _episode_ok(e))
-        return {"rollouts": ok, "wall_s": wall, "rollouts_per_s": ok / wall}
+        here = spent.user + spent.system - cpu.user - cpu.system
+        children = spent.children_user + spent.children_system - cpu.children_user - cpu.children_system
+        return {"rollouts": ok, "wall_s": wall, "rollouts_per_s": ok / wall,
+                "cpu_ms": 1000 * here / len(tasks), "child_cpu_ms": 1000 * children / len(tasks)}  # fmt: skip
 
     async with env.serving():
         results["in-process run_slot (baseline)"] = await timed(lambda t: env.run_slot(env.slots(t, 1)[0], context))
@@ -160,12 +164,17 @@ def _episode_ok(episode) -> bool:
 
 
 def _table(title: str, results: dict, baseline: str) -> None:
+    """The rows against `baseline`; `cpu ms` is this process's CPU time a rollout (the server's engine runs in it
+    too), `child ms` that of the processes it started and reaped (the harness programs; an EnvServer pool's
+    workers are not reaped here)."""
     print(title)
     base = results[baseline]["rollouts_per_s"]
-    print(f"{'run':<36}{'rollouts':>9}{'wall s':>9}{'rollouts/s':>12}{'x base':>8}")
+    print(f"{'run':<36}{'rollouts':>9}{'wall s':>9}{'rollouts/s':>12}{'x base':>8}{'cpu ms':>8}{'child ms':>9}")
     for name, r in results.items():
         ratio = r["rollouts_per_s"] / base
-        print(f"{name:<36}{r['rollouts']:>9}{r['wall_s']:>9.1f}{r['rollouts_per_s']:>12.1f}{ratio:>8.2f}")
+        cpu = f"{r['cpu_ms']:>8.0f}" if "cpu_ms" in r else f"{'-':>8}"
+        child = f"{r['child_cpu_ms']:>9.0f}" if r.get("child_cpu_ms", 0) >= 1 else f"{'-':>9}"
+        print(f"{name:<36}{r['rollouts']:>9}{r['wall_s']:>9.1f}{r['rollouts_per_s']:>12.1f}{ratio:>8.2f}{cpu}{child}")
 
 
 def main() -> None:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from support.verifiers_envs import on_path, verifiers_table
+from support.verifiers_envs import TASKSETS, on_path, verifiers_table
 from tandem.config import ConfigError
 from tandem.config.orchestrator import OrchestratorConfig, TrainSourceConfig
 from tandem.envs.verifiers import VerifiersEnv, uv_environment
@@ -75,3 +77,23 @@ def test_an_online_eval_source_is_checked_like_a_training_source(monkeypatch):
     broken = {**eval_source, "verifiers": {"env": {"agent": {"harness": {"id": "no_such_harness"}}}}}
     with pytest.raises(ConfigError, match=r"source .letters.: .*harness"):
         check_sources(OrchestratorConfig(source=[{"id": "reverse_text"}], eval={"source": [broken]}))
+
+
+def test_a_toolsets_module_is_put_where_verifiers_child_process_finds_it(monkeypatch, tmp_path):
+    """verifiers starts a Toolset as `python -m <module>` in a child process: the module's directory (here found
+    through sys.path alone, as a one-file env beside the command is) goes onto PYTHONPATH."""
+    on_path(monkeypatch)
+    monkeypatch.setenv("PYTHONPATH", "")
+    VerifiersEnv.load("vf_tools", TrainSourceConfig(id="vf_tools", verifiers=verifiers_table()))
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(TASKSETS)]
+
+
+def test_a_toolset_module_that_starts_no_server_is_refused_before_any_rollout(monkeypatch, tmp_path):
+    module = tmp_path / "vf_silent_tools.py"
+    tools = (TASKSETS / "vf_tools.py").read_text()
+    module.write_text(tools[: tools.index('if __name__ == "__main__":')])
+    on_path(monkeypatch)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = TrainSourceConfig(id="vf_silent_tools", verifiers=verifiers_table())
+    with pytest.raises(ValueError, match=r"toolset AddToolset: .*python -m vf_silent_tools.*AddToolset\.run\(\)"):
+        VerifiersEnv.load("vf_silent_tools", config)

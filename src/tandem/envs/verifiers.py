@@ -189,6 +189,7 @@ class VerifiersEnv:
         vf = import_verifiers()
         os.environ.update(uv_environment())  # the harness programs' runtimes inherit this process's
         env = vf.load_environment(vf.resolve_env_config(env_data(config)))
+        launchable_toolsets(env)
         assert config.verifiers is not None
         return cls(name, env, config.verifiers.renderer, config.timeout_s, {})
 
@@ -242,6 +243,35 @@ class VerifiersEnv:
         vf_task = self.verifiers_task(task)
         slots = self.env.slots(vf_task, len(contexts))
         return list(await asyncio.gather(*(self.env.run_slot(s, c) for s, c in zip(slots, contexts, strict=True))))
+
+
+def launchable_toolsets(env: Any) -> None:
+    """Make sure verifiers can start each of the env's tool servers: it runs a `Toolset` as `python -m <its
+    module>` in a child process (in the runtime's own working directory), so the module must be importable there
+    and start the server when run. The directory it was imported from goes onto `PYTHONPATH` (a one-file env
+    beside the command, found through the working directory, would otherwise be missing there); a module that
+    does not start its server is a one-line error now, not a tool server verifiers waits minutes for per
+    rollout."""
+    taskset = env.taskset
+    toolsets = [*type(taskset).task_type().toolsets(taskset.config.task), *taskset.toolsets(taskset.config)]
+    for toolset in toolsets:
+        module = sys.modules[type(toolset).__module__]
+        source = Path(module.__file__ or "")
+        if "__main__" not in source.read_text():
+            name = type(toolset).__name__
+            raise ValueError(
+                f"toolset {name}: verifiers starts it as `python -m {module.__name__}`, which runs nothing; end "
+                f'{source.name} with `if __name__ == "__main__": {name}.run()`'
+            )
+        root = source.parents[module.__name__.count(".") + (source.name == "__init__.py")]
+        if not {"site-packages", "dist-packages"} & set(root.parts):  # installed: on the child's path already
+            _on_pythonpath(root)
+
+
+def _on_pythonpath(directory: Path) -> None:
+    entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if str(directory) not in entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(directory), *entries])
 
 
 def _as_task(task: Any) -> Task:
