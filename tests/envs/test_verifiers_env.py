@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
 from support.verifiers_envs import TASKSETS, on_path, verifiers_table
 from tandem.config import ConfigError
 from tandem.config.orchestrator import OrchestratorConfig, TrainSourceConfig
-from tandem.envs.verifiers import VerifiersEnv, uv_environment
+from tandem.envs.verifiers import VerifiersEnv, uv_environment, wheels_dir
 from tandem.orchestrator.tasks import check_sources
 
 vf = pytest.importorskip("verifiers.v1", reason="needs the verifiers extra")
@@ -59,15 +60,34 @@ def test_a_bad_verifiers_source_is_a_one_line_error(monkeypatch, tmp_path, sourc
 
 
 def test_harness_programs_install_from_the_wheelhouse_alone(tmp_path, monkeypatch):
-    for name in ("UV_NO_INDEX", "UV_FIND_LINKS", "UV_PYTHON_DOWNLOADS", "UV_PYTHON", "UV_COMPILE_BYTECODE"):
+    for name in ("UV_DEFAULT_INDEX", "UV_FIND_LINKS", "UV_PYTHON_DOWNLOADS", "UV_PYTHON", "UV_COMPILE_BYTECODE"):
         monkeypatch.delenv(name, raising=False)
     assert uv_environment(tmp_path) == {"UV_COMPILE_BYTECODE": "1"}  # no wheels: uv resolves from its index
     (tmp_path / "openai-2.0.0-py3-none-any.whl").write_bytes(b"")
     env = uv_environment(tmp_path)
-    assert env["UV_NO_INDEX"] == "1" and env["UV_FIND_LINKS"] == str(tmp_path)
+    assert env["UV_DEFAULT_INDEX"] == tmp_path.as_uri() and env["UV_FIND_LINKS"] == str(tmp_path)
     assert env["UV_PYTHON_DOWNLOADS"] == "never"
     monkeypatch.setenv("UV_FIND_LINKS", "/elsewhere")
     assert "UV_FIND_LINKS" not in uv_environment(tmp_path)  # a user's own setting wins
+
+
+def test_verifiers_chat_program_installs_with_no_network(tmp_path):
+    """What verifiers' subprocess runtime runs to install its chat program (`uv sync --script`), under tandem's
+    variables, with every connection sent to a dead proxy: it installs from the wheelhouse or fails."""
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+
+    wheels = wheels_dir()
+    if not any(wheels.glob("*.whl")):
+        pytest.skip(f"no wheelhouse at {wheels}: run `tandem verifiers-wheels`")
+    script = tmp_path / "chat.py"
+    script.write_text(CHAT_PROGRAM_SOURCE)
+    dead = "http://127.0.0.1:9"
+    env = {**os.environ, **uv_environment(), "UV_CACHE_DIR": str(tmp_path / "cache"), "HTTP_PROXY": dead,
+           "HTTPS_PROXY": dead, "ALL_PROXY": dead, "UV_OFFLINE": "false"}  # fmt: skip
+    env.pop("NO_PROXY", None)
+    command = ["uv", "sync", "--script", str(script), "-q", "--no-config"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_an_online_eval_source_is_checked_like_a_training_source(monkeypatch):

@@ -74,15 +74,17 @@ def uv_environment(wheels: Path | None = None) -> dict[str, str]:
     if wheels.is_dir() and any(wheels.glob("*.whl")):
         wanted |= _offline(wheels)
     found = {key: value for key, value in wanted.items() if key not in os.environ}
-    if "UV_NO_INDEX" in wanted and shutil.which("uv") is None:  # pip put `uv` beside this interpreter
+    if "UV_FIND_LINKS" in wanted and shutil.which("uv") is None:  # pip put `uv` beside this interpreter
         found["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return found
 
 
 def _offline(wheels: Path) -> dict[str, str]:
-    # this interpreter runs the programs: the wheelhouse's binary wheels were downloaded for it
+    # `uv sync --script` has no variable for --no-index: the default index becomes the wheelhouse directory, which
+    # as an index lists no project, so every package comes from it as find-links and uv never leaves the machine.
+    # This interpreter runs the programs: the wheelhouse's binary wheels were downloaded for it.
     return {
-        "UV_NO_INDEX": "1",
+        "UV_DEFAULT_INDEX": wheels.resolve().as_uri(),
         "UV_FIND_LINKS": str(wheels),
         "UV_PYTHON_DOWNLOADS": "never",
         "UV_PYTHON": sys.executable,
