@@ -4,8 +4,9 @@ and of verifiers' two ways to run episodes: in this process or in an `EnvServer`
     python benchmarks/verifiers_rollouts.py [--groups 16] [--group-size 8] [--concurrency 64] [--smoke]
     python benchmarks/verifiers_rollouts.py --shape qwen3-0.6b --max-tokens 256 --env-server-workers 4   # a GPU
 
-One built-in server (a random Qwen3 on this machine's device: `tiny`, or `qwen3-0.6b`, Qwen3-0.6B's layers with
-the tiny tokenizer's vocabulary, in bf16 on a GPU) serves every row, the same prompts ("Write word i."), the same
+One built-in server (`tandem inference` in its own process, its defaults; a random Qwen3 on this machine's
+device: `tiny`, or `qwen3-0.6b`, Qwen3-0.6B's layers with the tiny tokenizer's vocabulary, in bf16 on a GPU)
+serves every row, the same prompts ("Write word i."), the same
 sampling (temperature 1, `--max-tokens` tokens, ignoring EOS so every rollout generates the same number of
 tokens) and the same reward (the fraction of e's), `--concurrency` rollouts in flight.
 
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,34 +46,18 @@ QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads
 """Qwen3-0.6B's layers (its config.json); the vocabulary stays the tiny tokenizer's."""
 
 
-def serve(model_dir: Path, out: Path, seq_len: int):
-    """The built-in server on a loopback port, in this process (its engine on a thread)."""
-    import socket
-    import threading
+@contextlib.contextmanager
+def serve(model_dir: Path, out: Path, seq_len: int) -> Iterator[str]:
+    """`tandem inference` on the model, in a process of its own as in a real run (bf16 on a GPU), while the block
+    runs: its URL."""
+    from tandem.config.common import LoadedModelConfig
+    from tandem.eval.local_server import local_server
 
-    import uvicorn
-    from transformers import AutoTokenizer
-
-    from tandem.config.inference import InferenceConfig
-    from tandem.inference.engine import Engine
-    from tandem.inference.main import eos_token_ids
-    from tandem.inference.server import InferenceServer
-    from tandem.models import load_model
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    config = InferenceConfig(model={"name": str(model_dir), "dtype": dtype}, seq_len=seq_len, device=device)
-    model = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
-    engine = Engine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model_dir, tokenizer)).start()
-    app = InferenceServer(engine, tokenizer, "tiny", admin_token=None, weights_dir=out).app()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", access_log=False))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", tokenizer, engine, server
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    model = LoadedModelConfig(name=str(model_dir), dtype=dtype)
+    with local_server(model, run_dir=out, seq_len=seq_len, log_level="warning", startup_timeout_s=600,
+                      served_model_name="tiny") as url:  # fmt: skip
+        yield url
 
 
 async def measure(url: str, tokenizer, source: dict, groups: int, group_size: int, in_flight: int) -> dict:
@@ -164,9 +151,8 @@ def _episode_ok(episode) -> bool:
 
 
 def _table(title: str, results: dict, baseline: str) -> None:
-    """The rows against `baseline`; `cpu ms` is this process's CPU time a rollout (the server's engine runs in it
-    too), `child ms` that of the processes it started and reaped (the harness programs; an EnvServer pool's
-    workers are not reaped here)."""
+    """The rows against `baseline`; `cpu ms` is this process's CPU time a rollout, `child ms` that of the
+    processes it started and reaped (the harness programs; an EnvServer pool's workers are not reaped here)."""
     print(title)
     base = results[baseline]["rollouts_per_s"]
     print(f"{'run':<36}{'rollouts':>9}{'wall s':>9}{'rollouts/s':>12}{'x base':>8}{'cpu ms':>8}{'child ms':>9}")
@@ -191,6 +177,8 @@ def main() -> None:
         args.groups, args.group_size, args.concurrency, args.max_tokens = 2, 2, 4, 8
     sys.path.insert(0, str(TASKSETS))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TASKSETS), os.environ.get("PYTHONPATH", "")])
+    from transformers import AutoTokenizer
+
     from tandem.envs.verifiers import uv_environment
     from tandem.testing import write_tiny_model
 
@@ -213,18 +201,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         model = write_tiny_model(out / "model", "qwen3", extra_special=QWEN3_MARKERS, **shape)
-        url, tokenizer, engine, server = serve(model, out, seq_len)
-        in_flight = max(1, args.concurrency // args.group_size)
-        results = {}
-        for name, source in runs.items():
-            results[name] = asyncio.run(measure(url, tokenizer, source, args.groups, args.group_size, in_flight))
-        modes = {}
-        if args.env_server_workers:
-            env_data = {**env, "taskset": {**env["taskset"], "id": "vf_letters"}}
-            modes = asyncio.run(measure_modes(url, env_data, prompts, args.concurrency, args.env_server_workers,
-                                              {**sampling, "seed": 0}))  # fmt: skip
-        server.should_exit = True
-        engine.stop()
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        with serve(model, out, seq_len) as url:
+            in_flight = max(1, args.concurrency // args.group_size)
+            results = {}
+            for name, source in runs.items():
+                results[name] = asyncio.run(measure(url, tokenizer, source, args.groups, args.group_size, in_flight))
+            modes = {}
+            if args.env_server_workers:
+                env_data = {**env, "taskset": {**env["taskset"], "id": "vf_letters"}}
+                modes = asyncio.run(measure_modes(url, env_data, prompts, args.concurrency, args.env_server_workers,
+                                                  {**sampling, "seed": 0}))  # fmt: skip
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     print(f"{args.shape} model, {args.groups} groups of {args.group_size}, {args.concurrency} rollouts in flight, "
           f"{args.max_tokens} tokens each, on {device}")  # fmt: skip
