@@ -180,12 +180,13 @@ def test_tools_of_a_toolset_run_in_their_own_server_and_their_results_reach_the_
     fake_server.answer = lambda messages: f"The sum is {_text(messages[-1]['content'])}."
     config = tmp_path / "tools.toml"
     config.write_text(
-        f'[[source]]\nid = "vf_tools"\nsampling = {{ max_tokens = 16 }}\n[source.verifiers.env.agent]\n{AGENT}'
+        f'[[source]]\nid = "vf_tools"\nsampling = {{ max_tokens = 16 }}\n[source.verifiers.env.taskset]\n'
+        f"num_tasks = 2\n[source.verifiers.env.agent]\n{AGENT}"
     )
     argv = ["eval", "@", str(config), "--base-url", fake_server.url, "--output-dir", str(tmp_path), "--run-name", "ev"]
     assert main(argv) == 0
     records = read_traces(tmp_path / "ev" / "traces.jsonl")
-    assert len(records) == 4
+    assert len(records) == 2
     for record in records:
         idx = record["task"]["idx"]
         assert record["outcome"] == "ok" and record["reward"] == 1.0, record
