@@ -38,7 +38,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TASKSETS = REPO / "tests" / "support" / "verifiers_tasksets"
-QWEN3_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 
 
 QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -181,6 +180,7 @@ def main() -> None:
 
     from tandem.envs.verifiers import uv_environment
     from tandem.testing import write_tiny_model
+    from tandem.testing.tiny import QWEN3_MARKERS
 
     os.environ.update(uv_environment())
     os.environ.setdefault("TANDEM_EVAL_API_KEY", "EMPTY")

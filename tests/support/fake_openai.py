@@ -5,9 +5,9 @@ and can be told to sleep (`delay`), to fail the next requests with a status (`fa
 request (`status_always`), to answer `/v1/models` with an error status (`models_status`), and to report a queue
 depth header (`queue_depth`: a number, or a callable giving each response's), or to refuse a chat request with
 a status and body of its own (`refuse(body)`: None serves it), or to answer with one tool call instead of text
-(`call_tool(body)` gives its function's name and arguments; None answers text). A request with `stream: true` (verifiers' eval
-client sends those) is answered with the same reply as server-sent chunks: the text, then the finish reason, then
-the usage when `stream_options.include_usage` asks, then `[DONE]`.
+(`call_tool(body)` gives its function's name and arguments; None answers text). A request with `stream: true`
+(verifiers' eval client sends those) is answered with the same reply as server-sent chunks: the text, then the
+finish reason, then the usage when `stream_options.include_usage` asks, then `[DONE]`.
 """
 
 from __future__ import annotations

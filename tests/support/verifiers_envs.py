@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from support.paths import REPO
+from tandem.testing.tiny import QWEN3_MARKERS
+
+__all__ = ["LOCAL_AGENT", "QWEN3_MARKERS", "QWEN3_RENDERER", "TASKSETS", "on_path", "verifiers_table"]
 
 TASKSETS = REPO / "tests" / "support" / "verifiers_tasksets"
-QWEN3_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
-"""The special tokens `renderers`' Qwen3 renderer looks up: a tiny model whose tokenizer has them
-(`tiny_model_dir("qwen3", extra_special=QWEN3_MARKERS)`) renders, parses and bridges turns as Qwen3 does."""
 QWEN3_RENDERER = {"name": "qwen3", "enable_thinking": False}
 LOCAL_AGENT = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
 """A seat that runs verifiers' chat program (the `null` harness) on this machine."""

@@ -146,9 +146,9 @@ async def _native_rollout(
     try:
         episode = await run_episode(taskset, task, generate)
     except RequestError as failure:
-        record = _failed(task, conversation, time.monotonic() - started, str(failure), replies)
-        return {**record, "outcome": "timeout" if failure.kind == "timeout" else "error",
-                "attempts": record["attempts"] + failure.attempts}  # fmt: skip
+        outcome = "timeout" if failure.kind == "timeout" else "error"
+        latency = time.monotonic() - started
+        return _failed(task, conversation, latency, str(failure), replies, outcome=outcome, attempts=failure.attempts)
     except Exception as failure:  # the environment's step or scoring failed: this rollout only
         return _failed(task, conversation, time.monotonic() - started, f"{type(failure).__name__}: {failure}", replies)
     outcome = episode.outcome
@@ -179,17 +179,27 @@ def _usage(replies: list[ChatCompletion]) -> dict[str, Any]:
 
 
 def _failed(
-    task: Task, conversation: list[Message], latency_s: float, error: str, replies: list[ChatCompletion] = ()
+    task: Task,
+    conversation: list[Message],
+    latency_s: float,
+    error: str,
+    replies: list[ChatCompletion] = (),
+    *,
+    outcome: str = "error",
+    attempts: int = 0,
 ) -> dict[str, Any]:
-    """The episode fields of a rollout that failed with `error`, `conversation` the last one it had."""
+    """The episode fields of a rollout that failed with `error` (unscored), `conversation` the last one it had;
+    `attempts` are those of the request that failed, beyond its replies'."""
+    usage = _usage(list(replies))
     return {
         "prompt": task.messages(),
         "completion": conversation[len(task.messages()) :],
         "reward": 0.0,
         "metrics": {},
-        "outcome": "error",
+        "outcome": outcome,
         "error": error,
-        **_usage(list(replies)),
+        **usage,
+        "attempts": usage["attempts"] + attempts,
         "latency_s": latency_s,
     }
 

@@ -62,11 +62,11 @@ def check_sources(config: OrchestratorConfig) -> None:
     `tandem rl` and `tandem orchestrator` check it before they start anything, `--dry-run` included."""
     _require_sources(config.source)
     named = [(_name(config.source, index), source) for index, source in enumerate(config.source)]
-    evals = [(source.name, source) for source in config.eval.source]
-    for name, source in [*named, *evals]:
+    every = [*named, *((source.name, source) for source in config.eval.source)]
+    for name, source in every:
         with source_errors(name):
             check_env(source)
-    _check_tools(config, [(name, source) for name, source in [*named, *evals] if source.verifiers is None])
+    _check_tools(config, [(name, source) for name, source in every if source.verifiers is None])
 
 
 def _check_tools(config: OrchestratorConfig, sources: list[tuple[str, Any]]) -> None:

@@ -15,6 +15,10 @@ TinyArchitecture = Literal["qwen3", "llama", "qwen3_moe"]
 TINY_ARCHITECTURES: tuple[TinyArchitecture, ...] = ("qwen3", "llama", "qwen3_moe")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN3_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+"""The special tokens `renderers`' Qwen3 renderer looks up: a tiny model whose tokenizer has them
+(`write_tiny_model(path, "qwen3", extra_special=QWEN3_MARKERS)`) renders, parses and bridges turns as Qwen3
+does."""
 
 # ChatML, the format Qwen models use; rendered by `apply_chat_template`. Tools, when given, go first in a system
 # turn that asks for Hermes-style calls, and an assistant's `tool_calls` follow its content as the <tool_call>
