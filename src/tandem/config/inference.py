@@ -65,6 +65,8 @@ class InferenceConfig(RunConfig):
     """Decode step: triton (~10 kernels a layer, K/V read in place, one-kernel sampling), torch (module by module), auto (triton on CUDA)."""
     recurrent_kernels: Literal["auto", "torch", "triton"] = "auto"
     """Hybrid models' recurrent layers (Gated DeltaNet, Mamba-2) on Triton kernels (triton): prefill chunks on the trainer's chunked kernels, decode steps on one kernel a layer that advances each state in its cache slot; or torch ops (torch); auto: triton on CUDA. Other models ignore it."""
+    return_routed_experts: bool = False
+    """MoE models: return each sample's routed experts per position (for router replay; slows decoding)."""
     overlap_steps: bool = True
     """Launch a decode step before the host reads the previous one's tokens (greedy/whole-vocabulary sampling)."""
     compile: bool = False
@@ -98,10 +100,15 @@ class InferenceConfig(RunConfig):
         return self
 
     @model_validator(mode="after")
-    def _vllm_serves_adapters_unfolded(self) -> InferenceConfig:
+    def _options_vllm_serves(self) -> InferenceConfig:
         if self.engine == "vllm" and self.lora_fold:
             raise ValueError(
                 "lora_fold = true is the built-in engine's: vLLM serves LoRA adapters with its own kernels, unfolded"
+            )
+        if self.engine == "vllm" and self.return_routed_experts:
+            raise ValueError(
+                "return_routed_experts is the built-in engine's: tandem's vLLM routes do not carry vLLM's routed "
+                'experts yet; use inference.engine = "builtin"'
             )
         if self.engine == "vllm" and self.model.lora.experts:
             raise ValueError(

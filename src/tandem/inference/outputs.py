@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.wire.protocol import FinishReason, PromptOutput, SampleOutput, SamplingParams
+from tandem.wire.protocol import FinishReason, PromptOutput, RoutedExperts, SampleOutput, SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -23,8 +23,12 @@ class SampleRecord:
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    routed_experts: RoutedExperts | None = None
+    """Once the sample finished, with `inference.return_routed_experts`: its positions' routing."""
 
-    def since(self, tokens: int, chars: int, text_end: int, sample: int) -> SampleUpdate:
+    def since(
+        self, tokens: int, chars: int, text_end: int, sample: int, routed_experts: RoutedExperts | None = None
+    ) -> SampleUpdate:
         """What was added after the first `tokens` tokens and `chars` characters (text up to `text_end`)."""
         return SampleUpdate(
             sample=sample,
@@ -36,6 +40,7 @@ class SampleRecord:
             text=self.text[chars:text_end],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            routed_experts=routed_experts,
         )
 
     def extend(self, update: SampleUpdate) -> None:
@@ -46,6 +51,7 @@ class SampleRecord:
         self.top_logprobs += update.top_logprobs
         self.text += update.text
         self.finish_reason, self.stop_reason = update.finish_reason, update.stop_reason
+        self.routed_experts = update.routed_experts or self.routed_experts
 
     def to_output(self, *, with_kept_ids: bool, with_top: bool) -> SampleOutput:
         return SampleOutput(
@@ -56,6 +62,7 @@ class SampleRecord:
             finish_reason=self.finish_reason or "abort",
             stop_reason=self.stop_reason,
             top_logprobs=self.top_logprobs if with_top else None,
+            routed_experts=self.routed_experts,
         )
 
 
@@ -96,6 +103,8 @@ class SampleUpdate:
     text: str
     finish_reason: FinishReason | None
     stop_reason: str | int | None
+    routed_experts: RoutedExperts | None = None
+    """On the update that finishes the sample, with `inference.return_routed_experts`: its routing."""
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,10 @@ class Requests:
             text_end = seq.detokenizer.stable_length(finished) if request.detokenize and seq.detokenizer else 0
             if len(record.token_ids) == seq.sent_tokens and text_end == seq.sent_chars and seq.sent_finish == finished:
                 continue
-            samples.append(record.since(seq.sent_tokens, seq.sent_chars, text_end, seq.sample))
+            routed = None
+            if finished and not seq.sent_finish and seq.routing is not None and record.finish_reason != "abort":
+                routed = seq.routing.wire(len(request.prompt) + len(record.token_ids) - 1)
+            samples.append(record.since(seq.sent_tokens, seq.sent_chars, text_end, seq.sample, routed))
             seq.sent_tokens, seq.sent_chars, seq.sent_finish = len(record.token_ids), text_end, finished
         if done:
             del self.live[request.id]

@@ -40,6 +40,7 @@ from tandem.inference.outputs import PromptLogprobs
 from tandem.inference.prompt_images import chunk_features, chunk_positions, step_features
 from tandem.inference.prompt_images import encode as encode_images
 from tandem.inference.requests import Sampled
+from tandem.inference.routed_experts import RoutingRecorder
 from tandem.inference.sampling import Sampler, SamplingBatch
 from tandem.inference.scheduler import SCRATCH_BLOCK, SCRATCH_SLOT, Request, Scheduler, Sequence, StepPlan
 from tandem.kernels import triton_available, triton_unavailable_reason
@@ -123,6 +124,11 @@ class Runner:
             rows = config.max_prefill_tokens + max(config.max_running, *config.cuda_graph_batch_sizes)
             self.adapter_gates = torch.ones(rows, device=self.device)
             route_adapters(model, self.adapter_gates)
+        self.routing: RoutingRecorder | None = None
+        """With `return_routed_experts`: the buffer the MoE layers write their choices into, filed per sequence."""
+        if config.return_routed_experts:
+            rows = config.max_prefill_tokens + max(config.max_running, *config.cuda_graph_batch_sizes)
+            self.routing = RoutingRecorder(model, rows, self.device)
         self.decoder = self._decoder()
         self.sampler = Sampler(triton=self.decoder.step is fused_decode_step)
         self.in_flight: InFlight | None = None
@@ -285,6 +291,8 @@ class Runner:
             self._score_prompts(hidden, *scoring)
         else:
             logits = self.model.prefill(input_ids, self.cache, batch, *state, **vision)
+        if self.routing is not None:
+            self.routing.file_prefill(chunks)
         rows: list[int] = []
         ready: list[Sequence] = []
         for row, (seq, take) in enumerate(chunks):
@@ -295,6 +303,8 @@ class Runner:
             if seq.request.unforked:
                 children, copies = self.scheduler.fork(seq, self.tokenizer)
                 self._copy_blocks(copies)
+                if self.routing is not None:
+                    self.routing.fork(seq, children)
                 if self.state is not None and children:
                     self.state.copy([seq.slot] * len(children), [child.slot for child in children])
                 group += children
@@ -369,6 +379,8 @@ class Runner:
             logits = self.decoder(tokens, lengths, tables, device_tokens)
         else:
             logits = self.decoder(tokens, lengths, tables, device_tokens, [seq.slot for seq in seqs])
+        if self.routing is not None:
+            self.routing.file_decode(seqs)
         for seq in seqs:
             seq.num_cached += 1
         return logits

@@ -27,12 +27,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.inference.detokenize import IncrementalDetokenizer
 from tandem.inference.outputs import PromptLogprobs, RequestUpdate, SampleRecord
 from tandem.inference.prompt_images import PromptImages
 from tandem.wire.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.inference.routed_experts import ExpertRows
 
 SCRATCH_BLOCK = 0
 """Never allocated: padded rows of a fixed-shape decode step read and write here."""
@@ -122,6 +125,8 @@ class Sequence:
     slot: int = SCRATCH_SLOT
     """Its recurrent-state slot while it runs (hybrid models only)."""
     record: SampleRecord = field(default_factory=SampleRecord)
+    routing: ExpertRows | None = None
+    """With `inference.return_routed_experts`: the experts routed at each computed position."""
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_finish: bool = False

@@ -7,6 +7,7 @@ type is a 400 that names the field rather than a silently ignored setting. docs/
 
 from __future__ import annotations
 
+import base64
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -185,6 +186,29 @@ def check_sample_count(prompts: int, n: int) -> None:
         raise ValueError(f"{prompts} prompts x n={n} is more than the {MAX_SAMPLES} samples a request may ask for")
 
 
+class RoutedExperts(WireModel):
+    """Per position of prompt + completion from `start`, the experts each MoE layer's router chose: `shape`
+    `[positions, moe_layers, k]` ids of `dtype`, row-major, base64 in `data` (vLLM's routed-experts shape)."""
+
+    data: str
+    dtype: Literal["uint8", "uint16"]
+    shape: tuple[int, int, int]
+    start: int = 0
+
+    @classmethod
+    def of_bytes(cls, raw: bytes, dtype: Literal["uint8", "uint16"], shape: tuple[int, int, int]) -> RoutedExperts:
+        return cls(data=base64.b64encode(raw).decode("ascii"), dtype=dtype, shape=shape)
+
+    def from_position(self, start: int) -> RoutedExperts:
+        """The positions from `start` on (`start` clamped to those held)."""
+        start = min(max(start, self.start), self.start + self.shape[0])
+        positions, layers, top_k = self.shape
+        row = layers * top_k * (1 if self.dtype == "uint8" else 2)
+        raw = base64.b64decode(self.data)[(start - self.start) * row :]
+        shape = (positions - (start - self.start), layers, top_k)
+        return RoutedExperts.of_bytes(raw, self.dtype, shape).model_copy(update={"start": start})
+
+
 class SampleOutput(WireModel):
     token_ids: list[int]
     """The completion, including the stop token that ended it (EOS or one of stop_token_ids)."""
@@ -200,6 +224,9 @@ class SampleOutput(WireModel):
     """The stop string or stop token id that ended the completion, if one did."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token: the top-N `(id, logprob)` pairs, most likely first, when top_logprobs > 0."""
+    routed_experts: RoutedExperts | None = None
+    """With the server's `return_routed_experts` (MoE models): the routing of positions `[0, prompt + completion
+    - 1)`."""
 
 
 class PromptOutput(WireModel):

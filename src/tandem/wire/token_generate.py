@@ -11,6 +11,8 @@ check, kept ids and per-token policy versions:
   other shape), the top-N alternatives alike when `logprobs = N > 0`;
 - `sampling_mask` lists each token's kept ids when sampling truncates (top-k, top-p, min-p), as vLLM's
   `--return-sampling-mask` does; `policy_versions` (tandem's) each token's weights;
+- `routed_experts` (MoE models, when the server runs with `inference.return_routed_experts`) carries each
+  position's routed experts from `routed_experts_prompt_start`, as vLLM's `enable_return_routed_experts` does;
 - `content_parts` brings a vision-language model's images as data URLs, one placeholder token each in
   `token_ids`; `prompt_token_ids` and `mm_placeholders` then give the expanded prompt.
 
@@ -33,6 +35,7 @@ from tandem.wire.protocol import (
     MinP,
     Penalty,
     RequestModel,
+    RoutedExperts,
     SampleCount,
     SampleOutput,
     SamplingParams,
@@ -79,7 +82,8 @@ class TokenSamplingParams(RequestModel):
     include_stop_str_in_output: bool = False
     """Accepted and moot, as `skip_special_tokens`: the completion's ids always include the stop token."""
     routed_experts_prompt_start: Annotated[int, Field(ge=0)] | None = None
-    """Accepted and moot: tandem's engines return no routed experts."""
+    """Return routed experts from this position of prompt + completion on (default 0), when the server records
+    them (`inference.return_routed_experts`)."""
 
     def sampling(self) -> SamplingParams:
         """tandem's parameters for the same sampler; unset knobs keep tandem's (and vLLM's) defaults."""
@@ -172,6 +176,9 @@ class TokenChoice(WireModel):
     never truncates."""
     policy_versions: list[int]
     """Per token, the policy version of the weights that sampled it (tandem's)."""
+    routed_experts: RoutedExperts | None = None
+    """With `inference.return_routed_experts` (MoE models): the routing of prompt + completion positions from
+    `routed_experts_prompt_start`, the last token's excepted (it never ran through the model)."""
 
 
 class Placeholder(WireModel):
@@ -216,6 +223,10 @@ def _sampling_mask(sample: SampleOutput, vocab_size: int | None) -> list[list[in
     return [decode_kept_ids(kept) if kept is not None else list(range(vocab_size)) for kept in sample.masks]
 
 
+def _routed_experts(sample: SampleOutput, start: int) -> RoutedExperts | None:
+    return None if sample.routed_experts is None else sample.routed_experts.from_position(start)
+
+
 def token_response(
     body: TokenGenerateRequest, response: GenerateResponse, *, vocab_size: int | None
 ) -> TokenGenerateResponse:
@@ -232,6 +243,7 @@ def token_response(
             stop_reason=sample.stop_reason,
             sampling_mask=_sampling_mask(sample, vocab_size),
             policy_versions=sample.versions,
+            routed_experts=_routed_experts(sample, body.sampling_params.routed_experts_prompt_start or 0),
         )
         for index, sample in enumerate(output.samples)
     ]

@@ -316,6 +316,18 @@ class Router(nn.Module):
         )
 
 
+def record_routing(model: nn.Module, buffer: torch.Tensor) -> int:
+    """Make every MoE layer of `model`, in layer order, write each forward's chosen experts into its plane of
+    `buffer` `[moe_layers, rows, k]` (rows: at least any forward's tokens); CUDA graphs write it at its address.
+    Returns the number of MoE layers."""
+    layers = [module for module in model.modules() if isinstance(module, MoE)]
+    if len(layers) != buffer.shape[0]:
+        raise ValueError(f"a routing buffer of {buffer.shape[0]} planes for {len(layers)} MoE layers")
+    for plane, module in zip(buffer, layers, strict=True):
+        module.routing_record = plane
+    return len(layers)
+
+
 class MoE(nn.Module):
     """Router + experts (+ shared experts: a dense MLP every token goes through, added to the routed output, SwiGLU
     or, with ungated experts, of their activation;
@@ -356,6 +368,8 @@ class MoE(nn.Module):
         gated = shared_intermediate_size and shared_expert_gate
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
         self.backend, self.freeze_router, self.balanced_routing = backend, freeze_router, balanced_routing
+        self.routing_record: torch.Tensor | None = None
+        """Set by `record_routing`: a `[rows, k]` buffer each forward writes its tokens' chosen experts into."""
 
     @property
     def top_k(self) -> int:
@@ -370,6 +384,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.router(x, self.freeze_router, self.balanced_routing)
+        if self.routing_record is not None:
+            self.routing_record[: experts.shape[0]].copy_(experts)
         out = self.run_experts(x, weights, experts)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
