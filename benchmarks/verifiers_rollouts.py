@@ -90,8 +90,11 @@ async def measure(url: str, tokenizer, source: dict, groups: int, group_size: in
     return {"rollouts": n, "wall_s": wall, "rollouts_per_s": n / wall, "reward": sum(rewards) / max(1, len(rewards))}
 
 
-async def measure_modes(url: str, env_data: dict, prompts: int, concurrency: int, workers: int, sampling: dict) -> dict:
-    """rollouts/s of `prompts` verifiers episodes through the eval client: in-process, then an EnvServer pool."""
+async def measure_modes(
+    url: str, env_data: dict, prompts: int, concurrency: int, pools: list[int], sampling: dict
+) -> dict:
+    """rollouts/s of `prompts` verifiers episodes through the eval client: in-process, then an EnvServer pool of
+    each size in `pools`."""
     import multiprocessing
 
     import verifiers.v1 as vf
@@ -124,22 +127,25 @@ async def measure_modes(url: str, env_data: dict, prompts: int, concurrency: int
     async with env.serving():
         results["in-process run_slot (baseline)"] = await timed(lambda t: env.run_slot(env.slots(t, 1)[0], context))
     spawn = multiprocessing.get_context("spawn")
-    addresses = spawn.Queue()
-    server = spawn.Process(
-        target=serve_env,
-        kwargs={"max_workers": workers, "address": "tcp://127.0.0.1:0", "address_queue": addresses,
-                "config_data": env_data, "elastic": False},
-    )  # fmt: skip  # not a daemon: the pool starts worker processes of its own
-    server.start()
-    try:
-        remote = EnvClient(addresses.get(timeout=120))
-        name = f"EnvServer pool, {workers} workers"
-        results[name] = await timed(
-            lambda t: remote.run(client, "tiny", vf.SamplingConfig(**sampling), task_data=t.data.model_dump())
-        )
-    finally:
-        server.terminate()
-        server.join(30)
+    for workers in pools:
+        addresses = spawn.Queue()
+        server = spawn.Process(
+            target=serve_env,
+            kwargs={"max_workers": workers, "address": "tcp://127.0.0.1:0", "address_queue": addresses,
+                    "config_data": env_data, "elastic": False},
+        )  # fmt: skip  # not a daemon: the pool starts worker processes of its own
+        server.start()
+        try:
+            remote = EnvClient(addresses.get(timeout=120))
+            name = f"EnvServer pool, {workers} workers"
+            results[name] = await timed(
+                lambda t, remote=remote: remote.run(
+                    client, "tiny", vf.SamplingConfig(**sampling), task_data=t.data.model_dump()
+                )
+            )
+        finally:
+            server.terminate()
+            server.join(30)
     return results
 
 
@@ -169,7 +175,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="rollouts in flight")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny", help="the served model's layers")
-    parser.add_argument("--env-server-workers", type=int, default=0, help="W > 0: also compare an EnvServer pool")
+    parser.add_argument("--env-server-workers", type=int, nargs="*", default=[],
+                        help="W ...: also compare an EnvServer pool of W workers (each size in turn)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="2 groups of 2, 8 tokens: check it runs")
     args = parser.parse_args()
     if args.smoke:

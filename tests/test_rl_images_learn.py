@@ -1,4 +1,5 @@
-"""`tandem rl` on a visual task raises its held-out reward in CI time: a tiny Qwen3-VL, given an SFT start on
+"""`tandem rl` on a visual task raises its held-out reward (`slow`: two minutes on CI's 2 cores, and
+`test_rl_learns` proves learning in the CI command): a tiny Qwen3-VL, given an SFT start on
 `count_shapes` (one shape, "is it the asked colour?": 0 or 1) whose answers are mostly the count in words, learns
 from the reward (the final number must be the count) to answer in digits, from the image it is shown."""
 
@@ -30,6 +31,7 @@ sampling = {{ temperature = 0.0, max_tokens = 4 }}
 """
 
 
+@pytest.mark.slow
 def test_rl_on_images_raises_the_held_out_reward(tmp_path):
     """Measured: held-out greedy reward 0.0 -> 0.69 in 30 steps of 64 rollouts (SFT 20 s, RL 22 s on 2 cores)."""
     model = write_servable_vl_model(tmp_path / "model")
