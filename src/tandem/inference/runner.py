@@ -120,14 +120,14 @@ class Runner:
         self.adapter_gates: torch.Tensor | None = None
         """With unfolded LoRA adapters: per row of a forward, 1.0 to run them (`Request.adapter`), 0.0 for the base
         model (`lora.route_adapters`); long enough for any step's rows, a CUDA graph's padding included."""
+        # The most rows one forward may have, a CUDA graph's padding included: the per-row buffers' length.
+        rows = config.max_prefill_tokens + max(config.max_running, *config.cuda_graph_batch_sizes)
         if lora_args(model) is not None and not lora_folded(model):
-            rows = config.max_prefill_tokens + max(config.max_running, *config.cuda_graph_batch_sizes)
             self.adapter_gates = torch.ones(rows, device=self.device)
             route_adapters(model, self.adapter_gates)
         self.routing: RoutingRecorder | None = None
         """With `return_routed_experts`: the buffer the MoE layers write their choices into, filed per sequence."""
         if config.return_routed_experts:
-            rows = config.max_prefill_tokens + max(config.max_running, *config.cuda_graph_batch_sizes)
             self.routing = RoutingRecorder(model, rows, self.device)
         self.decoder = self._decoder()
         self.sampler = Sampler(triton=self.decoder.step is fused_decode_step)

@@ -196,8 +196,10 @@ class RoutedExperts(WireModel):
     start: int = 0
 
     @classmethod
-    def of_bytes(cls, raw: bytes, dtype: Literal["uint8", "uint16"], shape: tuple[int, int, int]) -> RoutedExperts:
-        return cls(data=base64.b64encode(raw).decode("ascii"), dtype=dtype, shape=shape)
+    def of_bytes(
+        cls, raw: bytes, dtype: Literal["uint8", "uint16"], shape: tuple[int, int, int], start: int = 0
+    ) -> RoutedExperts:
+        return cls(data=base64.b64encode(raw).decode("ascii"), dtype=dtype, shape=shape, start=start)
 
     def from_position(self, start: int) -> RoutedExperts:
         """The positions from `start` on (`start` clamped to those held)."""
@@ -206,7 +208,7 @@ class RoutedExperts(WireModel):
         row = layers * top_k * (1 if self.dtype == "uint8" else 2)
         raw = base64.b64decode(self.data)[(start - self.start) * row :]
         shape = (positions - (start - self.start), layers, top_k)
-        return RoutedExperts.of_bytes(raw, self.dtype, shape).model_copy(update={"start": start})
+        return RoutedExperts.of_bytes(raw, self.dtype, shape, start)
 
 
 class SampleOutput(WireModel):

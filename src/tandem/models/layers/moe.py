@@ -316,16 +316,14 @@ class Router(nn.Module):
         )
 
 
-def record_routing(model: nn.Module, buffer: torch.Tensor) -> int:
+def record_routing(model: nn.Module, buffer: torch.Tensor) -> None:
     """Make every MoE layer of `model`, in layer order, write each forward's chosen experts into its plane of
-    `buffer` `[moe_layers, rows, k]` (rows: at least any forward's tokens); CUDA graphs write it at its address.
-    Returns the number of MoE layers."""
+    `buffer` `[moe_layers, rows, k]` (rows: at least any forward's tokens); CUDA graphs write it at its address."""
     layers = [module for module in model.modules() if isinstance(module, MoE)]
     if len(layers) != buffer.shape[0]:
         raise ValueError(f"a routing buffer of {buffer.shape[0]} planes for {len(layers)} MoE layers")
     for plane, module in zip(buffer, layers, strict=True):
         module.routing_record = plane
-    return len(layers)
 
 
 class MoE(nn.Module):
